@@ -1,0 +1,28 @@
+"""What the engine returns for each request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence (a request with n > 1 has n of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Cumulative state of one request after an engine step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0

@@ -1,0 +1,135 @@
+"""Plain-jnp paged attention: the semantic definition and the CPU fast path.
+
+Layout shared by every backend:
+  q            [S, Q, H, D]        queries of S sequences, Q query slots each (Q = 1 for decode)
+  k_pages      [Hkv, NB, BS, D]    key pages (NB blocks of BS tokens), one array per layer
+  v_pages      [Hkv, NB, BS, D]    value pages
+  block_tables [S, MB] int32       logical block i of sequence s lives in page block_tables[s, i]
+  kv_lens      [S] int32           tokens of sequence s already in the pages (new ones included)
+  q_lens       [S] int32           valid query slots of sequence s (<= Q)
+
+Query j of sequence s sits at absolute position kv_lens[s] - q_lens[s] + j and attends
+causally to positions 0..that position. Query slots j >= q_lens[s] and sequences with
+kv_lens[s] == 0 produce zeros. Query head h reads kv head h // (H // Hkv) (GQA / MQA / MHA).
+Softmax runs in float32; the output has q's dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+
+
+def query_positions(kv_lens: jax.Array, q_lens: jax.Array, num_q: int) -> jax.Array:
+    """Absolute position of every query slot: [S, Q] int32."""
+    return (kv_lens - q_lens)[:, None] + jnp.arange(num_q, dtype=jnp.int32)[None, :]
+
+
+def _fold_gqa(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """[S, Q, H, D] -> [S, Hkv, G, Q, D] (query heads grouped under their kv head)."""
+    s, nq, h, d = q.shape
+    return q.reshape(s, nq, num_kv_heads, h // num_kv_heads, d).transpose(0, 2, 3, 1, 4)
+
+
+def _unfold_gqa(o: jax.Array) -> jax.Array:
+    """[S, Hkv, G, Q, D] -> [S, Q, H, D]."""
+    s, hkv, g, nq, d = o.shape
+    return o.transpose(0, 3, 1, 2, 4).reshape(s, nq, hkv * g, d)
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale):
+    """Gathers every page of every sequence and runs masked softmax attention at once."""
+    s, nq, h, d = q.shape
+    hkv, _, bs, _ = k_pages.shape
+    mb = block_tables.shape[1]
+    k = k_pages[:, block_tables].reshape(hkv, s, mb * bs, d)  # [Hkv, S, T, D]
+    v = v_pages[:, block_tables].reshape(hkv, s, mb * bs, d)
+    qg = _fold_gqa(q, hkv).astype(jnp.float32)  # [S, Hkv, G, Q, D]
+    scores = jnp.einsum("skgqd,kstd->skgqt", qg, k.astype(jnp.float32)) * scale
+    qpos = query_positions(kv_lens, q_lens, nq)  # [S, Q]
+    t = jnp.arange(mb * bs, dtype=jnp.int32)
+    valid = (t[None, None, :] <= qpos[:, :, None]) & (t[None, None, :] < kv_lens[:, None, None])
+    valid &= (jnp.arange(nq)[None, :] < q_lens[:, None])[:, :, None]  # [S, Q, T]
+    scores = jnp.where(valid[:, None, None], scores, NEG_INF)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("skgqt,kstd->skgqd", p, v.astype(jnp.float32))
+    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return _unfold_gqa(out).astype(q.dtype)
+
+
+def online_softmax_update(m, l, acc, scores, values):
+    """One flash-attention step over a chunk of keys.
+
+    m, l: [..., Q] running max and sum; acc: [..., Q, D]; scores: [..., Q, T] (masked
+    entries -inf); values: broadcastable to [..., T, D]. Returns the updated (m, l, acc).
+    """
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(scores - m_safe[..., None])
+    l_new = alpha * l + jnp.sum(p, axis=-1)
+    acc_new = alpha[..., None] * acc + jnp.einsum("...qt,...td->...qd", p, values)
+    return m_new, l_new, acc_new
+
+
+def paged_attention_chunked(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale,
+                            blocks_per_chunk: int = 8):
+    """Same result as `paged_attention_reference`, visiting only the pages in use.
+
+    A while-loop walks the block table `blocks_per_chunk` pages at a time with an online
+    softmax; its trip count is cdiv(max(kv_lens), chunk tokens), so cost follows the longest
+    live sequence, not the table width, and shapes stay static (one compile per bucket).
+    """
+    s, nq, h, d = q.shape
+    hkv, _, bs, _ = k_pages.shape
+    mb = block_tables.shape[1]
+    c = min(blocks_per_chunk, mb)
+    pad = (-mb) % c
+    tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    chunk_tokens = c * bs
+    qg = _fold_gqa(q, hkv).astype(jnp.float32) * scale  # [S, Hkv, G, Q, D]
+    qpos = query_positions(kv_lens, q_lens, nq)  # [S, Q]
+    q_valid = jnp.arange(nq)[None, :] < q_lens[:, None]  # [S, Q]
+    num_chunks = (jnp.max(kv_lens) + chunk_tokens - 1) // chunk_tokens
+    g = h // hkv
+
+    def body(i, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(tables, i * c, c, axis=1)  # [S, C]
+        k = k_pages[:, ids].reshape(hkv, s, chunk_tokens, d).astype(jnp.float32)
+        v = v_pages[:, ids].reshape(hkv, s, chunk_tokens, d).astype(jnp.float32)
+        scores = jnp.einsum("skgqd,kstd->skgqt", qg, k)
+        t = i * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        valid = (t[None, None, :] <= qpos[:, :, None]) & (t[None, None, :] < kv_lens[:, None, None])
+        valid &= q_valid[:, :, None]
+        scores = jnp.where(valid[:, None, None], scores, NEG_INF)
+        vals = v.transpose(1, 0, 2, 3)[:, :, None]  # [S, Hkv, 1, T, D]
+        return online_softmax_update(m, l, acc, scores, vals)
+
+    m0 = jnp.full((s, hkv, g, nq), NEG_INF, jnp.float32)
+    l0 = jnp.zeros((s, hkv, g, nq), jnp.float32)
+    acc0 = jnp.zeros((s, hkv, g, nq, d), jnp.float32)
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return _unfold_gqa(out).astype(q.dtype)
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    """Scatter new keys/values into their slots.
+
+    k, v: [T, Hkv, D]; slot_mapping: [T] int32, slot = block * BS + offset, -1 for padding
+    tokens (dropped). Returns the updated (k_pages, v_pages).
+    """
+    hkv, nb, bs, d = k_pages.shape
+    num_slots = nb * bs
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
+
+    def scatter(pages, new):
+        flat = pages.reshape(hkv, num_slots, d)
+        flat = flat.at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype), mode="drop")
+        return flat.reshape(hkv, nb, bs, d)
+
+    return scatter(k_pages, k), scatter(v_pages, v)
