@@ -1,0 +1,18 @@
+"""pagedjax: a JAX/Pallas LLM inference engine with a paged KV cache."""
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+
+def __getattr__(name):  # import the engine (and JAX) only when asked for
+    if name == "LLM":
+        from pagedjax.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from pagedjax.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

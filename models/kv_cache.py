@@ -1,0 +1,71 @@
+"""KV cache layouts the model layers write to and attend over.
+
+A model layer calls `cache.update_and_attend(layer_kv, q, k, v, md)`; the layout (paged
+blocks or dense per-slot rows) is the cache object's business, so one model definition
+serves both backends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention.reference import paged_attention_chunked, write_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step batch description (all int32, padded to the step's bucket).
+
+    positions    [S, Q]  absolute position of each query token
+    slot_mapping [S, Q]  cache slot the token's K/V goes to (-1: padding, not written)
+    block_tables [S, MB] physical block of each logical block (paged) / slot index (dense)
+    kv_lens      [S]     tokens in the cache for the sequence after this step's writes
+    q_lens       [S]     valid query tokens of the sequence in this step (0: padding row)
+    """
+
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    q_lens: jax.Array
+
+
+LayerKV = tuple[jax.Array, jax.Array]  # (k, v) cache arrays of one layer
+
+
+class PagedKVCache:
+    """Paged layout: per layer k, v of shape [Hkv, num_blocks, block_size, D]."""
+
+    def __init__(self, num_blocks: int, block_size: int, attention_impl: str = "auto"):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.attention_impl = attention_impl
+
+    def layer_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, self.num_blocks, self.block_size, head_dim)
+
+    def update_and_attend(self, layer_kv: LayerKV, q, k, v, md: AttentionMetadata, *, scale):
+        """q [S,Q,H,D], k/v [S,Q,Hkv,D] -> (new layer_kv, out [S,Q,H,D])."""
+        s, nq, hkv, d = k.shape
+        k_pages, v_pages = write_kv(layer_kv[0], layer_kv[1], k.reshape(s * nq, hkv, d),
+                                    v.reshape(s * nq, hkv, d), md.slot_mapping.reshape(-1))
+        out = _paged_attention(q, k_pages, v_pages, md, scale, self.attention_impl)
+        return (k_pages, v_pages), out
+
+
+def _paged_attention(q, k_pages, v_pages, md, scale, impl):
+    try:  # the validating wrapper with Pallas backends, when present
+        from pallas_kernels.paged_attention.ops import paged_attention
+    except ImportError:  # pragma: no cover - reference-only checkout
+        return paged_attention_chunked(q, k_pages, v_pages, md.block_tables, md.kv_lens, md.q_lens, scale=scale)
+    return paged_attention(q, k_pages, v_pages, md.block_tables, md.kv_lens, md.q_lens, scale=scale, impl=impl)
+
+
+def init_kv_caches(cache, num_layers: int, num_kv_heads: int, head_dim: int, dtype, sharding=None) -> list[LayerKV]:
+    """Zeroed per-layer (k, v) arrays for `cache` (PagedKVCache or DenseKVCache)."""
+    shape = cache.layer_shape(num_kv_heads, head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(make(), make()) for _ in range(num_layers)]

@@ -1,0 +1,126 @@
+"""Flax NNX definition of the Llama / Mistral / Qwen2 / Qwen3 decoder family.
+
+The families differ only in switches read from ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm
+(Qwen3), tied embeddings, GQA ratio and explicit head_dim. Weights are stored [in, out] so
+projections are plain `x @ w`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.kv_cache import AttentionMetadata, LayerKV
+
+
+def rms_norm(x, weight, eps):
+    """HF-style RMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_cos_sin(positions, inv_freq):
+    """positions [S,Q] -> cos, sin [S,Q,D] (HF's non-interleaved layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [S, Q, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x [S,Q,N,D]; cos/sin [S,Q,D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    x32 = x.astype(jnp.float32)
+    return (x32 * cos[:, :, None] + rotated.astype(jnp.float32) * sin[:, :, None]).astype(x.dtype)
+
+
+def _param(arrays: dict, name: str, dtype):
+    return nnx.Param(jnp.asarray(arrays[name], dtype=dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, arrays: dict, dtype):
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        for name in ("wq", "wk", "wv", "wo"):
+            setattr(self, name, _param(arrays, name, dtype))
+        for name in ("bq", "bk", "bv", "bo", "q_norm", "k_norm"):
+            setattr(self, name, _param(arrays, name, dtype) if name in arrays else None)
+
+    def __call__(self, x, cos, sin, layer_kv: LayerKV, md: AttentionMetadata, cache):
+        """x [S,Q,E] -> (new layer_kv, out [S,Q,E])."""
+        s, nq, _ = x.shape
+
+        def proj(w, b, heads):
+            y = x @ w[...]
+            if b is not None:
+                y = y + b[...]
+            return y.reshape(s, nq, heads, self.head_dim)
+
+        q = proj(self.wq, self.bq, self.num_heads)  # [S, Q, H, D]
+        k = proj(self.wk, self.bk, self.num_kv_heads)  # [S, Q, Hkv, D]
+        v = proj(self.wv, self.bv, self.num_kv_heads)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm[...], self.eps)
+            k = rms_norm(k, self.k_norm[...], self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        layer_kv, out = cache.update_and_attend(layer_kv, q, k, v, md, scale=self.head_dim ** -0.5)
+        out = out.reshape(s, nq, self.num_heads * self.head_dim) @ self.wo[...]
+        if self.bo is not None:
+            out = out + self.bo[...]
+        return layer_kv, out
+
+
+class MLP(nnx.Module):
+    def __init__(self, arrays: dict, dtype):
+        self.w_gate = _param(arrays, "w_gate", dtype)  # [E, I]
+        self.w_up = _param(arrays, "w_up", dtype)  # [E, I]
+        self.w_down = _param(arrays, "w_down", dtype)  # [I, E]
+
+    def __call__(self, x):
+        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, arrays: dict, dtype):
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = _param(arrays, "input_norm", dtype)
+        self.post_attention_norm = _param(arrays, "post_attention_norm", dtype)
+        self.attn = Attention(cfg, arrays, dtype)
+        self.mlp = MLP(arrays, dtype)
+
+    def __call__(self, x, cos, sin, layer_kv, md, cache):
+        layer_kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, layer_kv, md, cache)
+        x = x + h
+        x = x + self.mlp(rms_norm(x, self.post_attention_norm[...], self.eps))
+        return layer_kv, x
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only LM. Build it from converted arrays with `models.load_model`."""
+
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32):
+        self.config = cfg
+        self.embed = _param(arrays, "embed", dtype)  # [V, E]
+        self.layers = nnx.List([DecoderLayer(cfg, layer, dtype) for layer in arrays["layers"]])
+        self.norm = _param(arrays, "norm", dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(arrays, "lm_head", dtype)  # [V, E]
+        self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
+
+    def __call__(self, tokens, md: AttentionMetadata, kv_caches: list[LayerKV], cache):
+        """tokens [S,Q] -> (hidden [S,Q,E] after the final norm, new kv_caches)."""
+        x = self.embed[...][tokens]
+        cos, sin = rope_cos_sin(md.positions, self.inv_freq[...])
+        new_caches = []
+        for layer, layer_kv in zip(self.layers, kv_caches):
+            layer_kv, x = layer(x, cos, sin, layer_kv, md, cache)
+            new_caches.append(layer_kv)
+        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), new_caches
+
+    def logits(self, hidden):
+        """hidden [..., E] -> float32 logits [..., V]."""
+        head = self.embed[...] if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("...e,ve->...v", hidden, head, preferred_element_type=jnp.float32)

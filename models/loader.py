@@ -1,0 +1,101 @@
+"""Loads a checkpoint directory into a CausalLM plus its config and tokenizer (no engine needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig, load_config
+from models.llama import CausalLM
+
+_LAYER_NAMES = {  # our name -> (HF suffix under model.layers.{i}., transpose?)
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "bo": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+    "input_norm": ("input_layernorm.weight", False),
+    "post_attention_norm": ("post_attention_layernorm.weight", False),
+}
+_OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm"}
+
+
+def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+    """HF-named tensors ([out, in] weights) -> the nested arrays CausalLM takes ([in, out])."""
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        return tensors[name]
+
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = {}
+        for ours, (suffix, transpose) in _LAYER_NAMES.items():
+            name = f"model.layers.{i}.{suffix}"
+            if ours in _OPTIONAL:
+                wanted = (ours in ("bq", "bk", "bv") and cfg.attention_bias) or (ours == "bo" and cfg.o_bias) \
+                    or (ours in ("q_norm", "k_norm") and cfg.qk_norm)
+                if not wanted:
+                    continue
+            w = take(name)
+            layer[ours] = w.T if transpose else w
+        layers.append(layer)
+    arrays = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight"), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        arrays["lm_head"] = take("lm_head.weight")
+    return arrays
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig):
+    """'auto' -> float32 on CPU, else the checkpoint's dtype (bfloat16 for bf16/f16 checkpoints)."""
+    import jax
+
+    if dtype == "auto":
+        if jax.default_backend() == "cpu":
+            return jnp.float32
+        return jnp.bfloat16 if cfg.torch_dtype in ("bfloat16", "float16") else jnp.float32
+    table = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(table)}, got {dtype!r}")
+    return table[dtype]
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The directory's HF tokenizer, or None when it ships none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((Path(model_dir) / n).is_file() for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """None -> the embedded default model (converted and cached on first use)."""
+    if model is None:
+        from models.default_model import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (pass a local Hugging Face model dir, or None for the default model)")
+    return path
+
+
+def load_model(model: str | Path | None = None, dtype: str = "auto"):
+    """Returns (CausalLM, ModelConfig, tokenizer) for a local HF dir, or the default model."""
+    from models.weights import load_tensors_from_dir
+
+    model_dir = resolve_model_dir(model)
+    cfg = load_config(model_dir)
+    arrays = convert_hf_tensors(cfg, load_tensors_from_dir(model_dir))
+    return CausalLM(cfg, arrays, resolve_dtype(dtype, cfg)), cfg, load_tokenizer(model_dir)

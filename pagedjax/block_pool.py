@@ -1,0 +1,107 @@
+"""The KV block pool: fixed-size blocks, reference counts, a free list and the prefix cache.
+
+Pure Python/numpy; no JAX. A block is *free* when no live request holds it (ref count 0).
+A free block may still hold a cached prefix (it has a hash): it is handed out again only
+when the pool needs it, least recently freed first, and its cache entry is dropped then.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
+    """Chained block hash: equal hashes mean equal prefixes up to and including this block."""
+    return hash((parent_hash, token_ids, extra))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU order
+        self._hash_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, token ids)
+        self._block_of: dict[int, int] = {}  # hash -> block
+        self.num_evictions = 0
+
+    # -- counts ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks no live request holds (cached prefix blocks included)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Takes n free blocks (ref count 1 each), evicting least recently freed cache entries."""
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} KV blocks, only {len(self._free)} free")
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._uncache(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def take(self, block: int) -> None:
+        """Adds a reference to a block (a prefix-cache hit or a fork)."""
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drops one reference from each block; blocks reaching zero become free.
+
+        Pass a request's blocks in reverse so its tail blocks are evicted before its prefix.
+        """
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise RuntimeError(f"block {block} freed more often than taken")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def cache_block(self, block: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Registers a full block under its chained hash (first writer wins)."""
+        if not self.enable_prefix_caching or block_hash in self._block_of or block in self._hash_of:
+            return
+        self._block_of[block_hash] = block
+        self._hash_of[block] = (block_hash, token_ids)
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block for this hash, confirmed on its token ids, or None."""
+        if not self.enable_prefix_caching:
+            return None
+        block = self._block_of.get(block_hash)
+        if block is None or self._hash_of[block][1] != token_ids:
+            return None
+        return block
+
+    def _uncache(self, block: int) -> None:
+        entry = self._hash_of.pop(block, None)
+        if entry is not None:
+            del self._block_of[entry[0]]
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the pool's bookkeeping is inconsistent (for tests)."""
+        assert all(r >= 0 for r in self.ref_counts), "negative reference count"
+        free = set(self._free)
+        assert len(free) == len(self._free)
+        for b in range(self.num_blocks):
+            assert (b in free) == (self.ref_counts[b] == 0), f"block {b} free-list/ref-count mismatch"
+        assert len(self._block_of) == len(self._hash_of)
+        for h, b in self._block_of.items():
+            assert self._hash_of[b][0] == h

@@ -1,0 +1,62 @@
+"""The fixed, enumerable set of step shapes the jitted step is compiled for.
+
+A step is a padded [S, Q] grid of tokens: S sequences, Q query tokens each. Decode steps
+have Q = 1; prefill steps have Q from a power-of-two ladder. Everything the scheduler
+admits lands in one of these buckets, so after warm-up serving compiles nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_PREFILL_Q = 16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _ladder(lo: int, hi: int) -> list[int]:
+    """Powers of two from lo up to hi, with hi itself added when it is not one."""
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= 2
+    out.append(hi)
+    return out
+
+
+@dataclass(frozen=True)
+class Buckets:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    @property
+    def max_prefill_q(self) -> int:
+        """Largest query chunk one sequence gets in a prefill step."""
+        cap = min(self.max_num_batched_tokens, next_pow2(self.max_model_len))
+        return max(MIN_PREFILL_Q, 1 << (cap.bit_length() - 1))
+
+    def seq_bucket(self, n: int) -> int:
+        return min(next_pow2(n), self.max_num_seqs)
+
+    def q_bucket(self, q: int) -> int:
+        return min(max(MIN_PREFILL_Q, next_pow2(q)), self.max_prefill_q)
+
+    def prefill_fits(self, num_seqs: int, max_q: int) -> bool:
+        """Whether a prefill step of this size stays within the padded token budget."""
+        return self.seq_bucket(num_seqs) * self.q_bucket(max_q) <= max(self.max_num_batched_tokens, self.max_prefill_q)
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        return [(s, 1) for s in _ladder(1, self.max_num_seqs)]
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        shapes = []
+        for q in _ladder(MIN_PREFILL_Q, self.max_prefill_q):
+            for s in _ladder(1, self.max_num_seqs):
+                if s == 1 or s * q <= self.max_num_batched_tokens:
+                    shapes.append((s, q))
+        return shapes
+
+    def all_shapes(self) -> list[tuple[int, int]]:
+        return self.decode_shapes() + self.prefill_shapes()

@@ -1,0 +1,248 @@
+"""LLMEngine: requests in, one scheduled model step at a time, RequestOutputs out.
+
+Not thread-safe: one thread owns an engine (the server runs it in a background thread).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models.kv_cache import PagedKVCache
+from models.loader import load_model
+from pagedjax import compile_counter
+from pagedjax.block_pool import BlockPool
+from pagedjax.buckets import Buckets
+from pagedjax.config import EngineConfig
+from pagedjax.detokenizer import IncrementalDetokenizer
+from pagedjax.model_runner import ModelRunner
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.request import Request
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.scheduler import Scheduler
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    """Text state of one output sequence."""
+
+    req: Request
+    index: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """A user request: its n sequences share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.req.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, *, stream_text: bool = True, **engine_kwargs):
+        compile_counter.install()
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.model, self.model_config, self.tokenizer = load_model(model, self.config.dtype)
+        cfg = self.config
+        cfg.resolve(self.model_config)
+        self.max_model_len = cfg.max_model_len
+        self.model_name = _model_name(model)
+        self.stream_text = stream_text
+        mc = self.model_config
+        kv_dtype = self.model.embed[...].dtype
+        bytes_per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * cfg.block_size * kv_dtype.itemsize
+        weight_bytes = sum(x.nbytes for x in _leaves(self.model))
+        if cfg.num_blocks is None:
+            cfg.num_blocks = cfg.default_num_blocks(bytes_per_block, weight_bytes)
+        self.buckets = Buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, self.buckets, cfg.max_model_len)
+        cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl)
+        max_blocks = -(-cfg.max_model_len // cfg.block_size)
+        self.runner = ModelRunner(self.model, self.buckets, cache, max_blocks, kv_dtype)
+        self.eos_token_ids = tuple(mc.eos_token_ids) or _tokenizer_eos(self.tokenizer)
+        self._groups: dict[str, _Group] = {}
+        self._seq_of: dict[str, _Sequence] = {}
+        self._group_of: dict[str, _Group] = {}
+        self._seed_rng = np.random.default_rng(cfg.seed)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_computed_prompt_tokens = 0
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queues a request; raises ValueError with the reason if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop_strings):
+            raise ValueError(f"{self.model_name} has no tokenizer: give token-id prompts and no stop strings")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        group = _Group(request_id, text, ids, params)
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
+        reqs = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            reqs.append(Request(rid, list(ids), params, base_seed + i, self.eos_token_ids))
+        for req in reqs:  # identical prompts and limits: if the first is accepted, all are
+            self.scheduler.add(req)
+        for i, req in enumerate(reqs):
+            incremental = self.tokenizer is not None and (self.stream_text or bool(params.stop_strings))
+            seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None)
+            group.seqs.append(seq)
+            self._seq_of[req.request_id] = seq
+            self._group_of[req.request_id] = group
+        self._groups[request_id] = group
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends a request at once and returns its blocks; unknown ids are ignored."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            self.scheduler.finish(seq.req, "abort")
+            self._forget(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one model step; returns the outputs of requests that changed."""
+        out = self.scheduler.schedule()
+        if out is None:
+            return []
+        result = self.runner.execute(out)
+        self.num_steps += 1
+        if out.is_prefill:
+            self.num_computed_prompt_tokens += sum(out.q_lens)
+        produced = self.scheduler.update(out, result.tokens[:len(out.requests)].tolist())
+        touched: dict[str, _Group] = {}
+        now = time.monotonic()
+        for req, token in produced:
+            seq = self._seq_of[req.request_id]
+            i = out.requests.index(req) if req.params.logprobs is not None else -1
+            if i >= 0:
+                k = req.params.logprobs
+                entry = {int(t): float(lp) for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k])}
+                entry[token] = float(result.logprobs[i])
+                req.output_logprobs.append(entry)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.num_generated_tokens += 1
+            self.scheduler.check_stop(req, token)
+            if seq.detok is not None:
+                self._append_text(seq, token)
+            touched[req.request_id] = self._group_of[req.request_id]
+        outputs = [self._output(g) for g in {id(g): g for g in touched.values()}.values()]
+        for g in touched.values():
+            if g.finished and g.request_id in self._groups:
+                del self._groups[g.request_id]
+                for seq in g.seqs:
+                    self._forget(seq)
+        return outputs
+
+    def _append_text(self, seq: _Sequence, token: int) -> None:
+        """Adds the token's text; a stop string ends the sequence and is cut from the text."""
+        before = len(seq.detok.text)
+        seq.detok.add(token)
+        stops = seq.req.params.stop_strings
+        if not stops:
+            return
+        text = seq.detok.text
+        lo = max(0, before - max(len(s) for s in stops) + 1)
+        hits = [(pos, s) for s in stops if (pos := text.find(s, lo)) >= 0]
+        if not hits:
+            return
+        pos, stop = min(hits)
+        seq.detok.text = text[:pos]
+        if seq.req.is_finished:  # finished by length on the same token: the stop string wins
+            seq.req.finish_reason, seq.req.stop_reason = "stop", stop
+        else:
+            self.scheduler.finish(seq.req, "stop", stop)
+
+    def _text(self, seq: _Sequence) -> str:
+        req = seq.req
+        if seq.detok is None:
+            if not req.is_finished or self.tokenizer is None:
+                return ""
+            if not seq.text:
+                seq.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            return seq.text
+        text = seq.detok.text
+        stops = req.params.stop_strings
+        if stops and not req.is_finished:  # hold back what could be the start of a stop string
+            text = text[:max(0, len(text) - max(len(s) for s in stops) + 1)]
+        return text
+
+    def _output(self, g: _Group) -> RequestOutput:
+        outs = [CompletionOutput(s.index, self._text(s), list(s.req.output_token_ids), s.req.finish_reason,
+                                 list(s.req.output_logprobs) if g.params.logprobs is not None else None,
+                                 s.req.stop_reason) for s in g.seqs]
+        return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, g.finished,
+                             g.seqs[0].req.num_cached_tokens)
+
+    def _forget(self, seq: _Sequence) -> None:
+        self._seq_of.pop(seq.req.request_id, None)
+        self._group_of.pop(seq.req.request_id, None)
+
+    # -- compile & stats ------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> None:
+        """Compiles the step for every bucket so that serving compiles nothing afterwards."""
+        self.runner.warmup(self.buckets.all_shapes(), progress)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_cached": self.pool.num_cached,
+            "block_size": self.pool.block_size,
+            "num_requests_running": len(s.running),
+            "num_requests_waiting": len(s.waiting),
+            "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+            "num_preemptions": s.num_preemptions,
+            "num_compilations": compile_counter.num_compilations(),
+            "num_compiled_shapes": len(self.runner.compiled_shapes),
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_computed_prompt_tokens": self.num_computed_prompt_tokens,
+        }
+
+
+def _leaves(model):
+    import jax
+    from flax import nnx
+
+    return jax.tree_util.tree_leaves(nnx.state(model))
+
+
+def _model_name(model) -> str:
+    from pathlib import Path
+
+    return "SmolLM2-135M-Instruct" if model is None else Path(str(model)).name
+
+
+def _tokenizer_eos(tokenizer) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (int(eos),)

@@ -1,0 +1,96 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from pagedjax.engine import LLMEngine
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation on one engine. `warmup=True` compiles every step bucket before the
+    first batch, so later batches of any size and length within the limits compile nothing."""
+
+    def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 kv_cache: str = "paged", dtype: str = "auto", seed: int = 0, warmup: bool = True, **kwargs):
+        self.engine = LLMEngine(model, stream_text=False, block_size=block_size, num_blocks=num_blocks,
+                                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                enable_prefix_caching=enable_prefix_caching, kv_cache=kv_cache, dtype=dtype,
+                                seed=seed, **kwargs)
+        self._warmup_pending = warmup
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; returns RequestOutputs in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                 f"pass one, or exactly one per prompt")
+        if self._warmup_pending:
+            self.engine.warmup(progress=use_tqdm)
+            self._warmup_pending = False
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:  # leave nothing queued behind a failed call
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+                        bar.set_postfix(tokens=self.engine.num_generated_tokens)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if all(isinstance(p, int) for p in prompts):  # a single token-id prompt
+        return [prompts]
+    for p in prompts:
+        if not isinstance(p, str) and not (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
+            raise TypeError(f"each prompt must be a str or a list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
