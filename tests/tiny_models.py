@@ -1,0 +1,48 @@
+"""Random tiny Hugging Face checkpoints of each supported family, made with transformers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              max_position_embeddings=512, initializer_range=0.2, bos_token_id=0, eos_token_id=1)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                   rope_theta=10000.0)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)),
+}
+
+
+def make_checkpoint(family: str, path: Path, seed: int = 0):
+    """Saves a random tiny checkpoint of `family` into `path`; returns the torch model."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(**COMMON, **extra)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # biases default to zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(path))
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate for one prompt, EOS ignored."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()
