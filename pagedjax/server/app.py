@@ -1,0 +1,174 @@
+"""The FastAPI app: routes, API-key check, request parsing and OpenAI-shaped errors."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedjax.server.async_engine import AsyncEngine
+from pagedjax.server.errors import APIError, bad_request, from_status
+from pagedjax.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pagedjax.server.serving_chat import ChatServing
+from pagedjax.server.serving_common import ClientDisconnected
+from pagedjax.server.serving_completion import CompletionServing
+
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def _server_tokenizer(tokenizer):
+    """A private copy of the tokenizer for the event loop, so it never shares the Rust
+    object the engine thread detokenizes with."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # pragma: no cover - some tokenizers do not copy; sharing is still safe enough
+        return tokenizer
+
+
+def _param(errors: list[dict]) -> str:
+    """A readable field path (`messages[0].content`): the common prefix of the error
+    locations (a union reports one error per member, each with the member's tag appended)."""
+    loc = list(errors[0]["loc"])
+    for e in errors[1:]:
+        n = 0
+        while n < min(len(loc), len(e["loc"])) and loc[n] == e["loc"][n]:
+            n += 1
+        loc = loc[:n]
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
+    """Validate a JSON body into `model`; any problem is a 400 naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        if first["type"] in ("json_invalid", "json_type"):
+            raise bad_request(f"Invalid JSON body: {first['msg']}") from None
+        if first["type"] == "model_type" or not first["loc"]:
+            raise bad_request("The request body must be a JSON object") from None
+        field_errors = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+        param = _param(field_errors)
+        if first["type"] == "extra_forbidden":
+            raise bad_request(f"Unsupported field `{param}`: this server does not accept it", param) from None
+        if first["type"] == "missing":
+            raise bad_request(f"Missing required field `{param}`", param) from None
+        msgs = list(dict.fromkeys(e["msg"] for e in field_errors))  # a union: one message per member
+        raise bad_request(f"Invalid value for `{param}`: {' | '.join(msgs[:4])}", param) from None
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware: /v1/* needs `Authorization: Bearer <api_key>` (constant-time
+    comparison); /health and /metrics stay open."""
+
+    def __init__(self, app, api_key: str, on_reject=None) -> None:
+        self.app, self.expected, self.on_reject = app, api_key.encode(), on_reject
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            given = token.strip() if scheme.lower() == b"bearer" else b""
+            if not hmac.compare_digest(given, self.expected):
+                if self.on_reject is not None:
+                    self.on_reject()
+                response = APIError("Missing or incorrect API key: pass it as `Authorization: Bearer <key>`",
+                                    401, "authentication_error", None, "invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+              drain_timeout: float = 0.0) -> FastAPI:
+    """An OpenAI-compatible FastAPI app in front of `async_engine` (started and shut down
+    with the app's lifespan)."""
+    name = served_model_name or async_engine.model_name
+    metrics = ServerMetrics(async_engine.stats)
+    async_engine.metrics = metrics
+    tokenizer = _server_tokenizer(async_engine.tokenizer)
+    completions = CompletionServing(async_engine, name, tokenizer)
+    chat = ChatServing(async_engine, name, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown(drain_timeout)
+
+    app = FastAPI(title="pagedjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.async_engine, app.state.metrics = async_engine, metrics
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=lambda: metrics.on_error(401))
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        metrics.on_error(exc.status)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        metrics.on_error(exc.status_code)
+        return from_status(exc.status_code, str(exc.detail)).response(getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # a bug: say so, keep serving
+        logger.exception("unhandled error on %s", request.url.path)
+        metrics.on_error(500)
+        return APIError(f"internal server error: {exc!r}", 500, "server_error").response()
+
+    async def read_body(request: Request) -> bytes:
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
+        return body
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request):
+        req = parse_request(CompletionRequest, await read_body(request))
+        try:
+            return await completions.create(req, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request):
+        req = parse_request(ChatCompletionRequest, await read_body(request))
+        try:
+            return await chat.create(req, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse(ModelList(data=[ModelCard(id=name, max_model_len=async_engine.max_model_len)]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != name:
+            raise APIError(f"The model `{model_id}` does not exist", 404, "not_found_error", "model",
+                           "model_not_found")
+        return JSONResponse(ModelCard(id=name, max_model_len=async_engine.max_model_len).model_dump())
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

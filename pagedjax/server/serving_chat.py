@@ -1,0 +1,130 @@
+"""/v1/chat/completions: messages rendered with the tokenizer's chat template."""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pagedjax.outputs import CompletionOutput
+from pagedjax.server.async_engine import EngineDeadError, ShuttingDownError
+from pagedjax.server.errors import APIError, bad_request
+from pagedjax.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
+                                      ChatTokenLogprob, DeltaMessage, TopLogprob)
+from pagedjax.server.serving_common import (SSE_DONE, ServingBase, abort_all, completions_by_index, finite,
+                                            json_dumps, merge_streams, sse, top_logprobs)
+
+
+class ChatServing(ServingBase):
+    """Handler of /v1/chat/completions."""
+
+    async def create(self, req: ChatCompletionRequest, request: Request):
+        self.check_common(req)
+        if req.response_format not in (None, {"type": "text"}):
+            raise bad_request("`response_format` is not supported by this engine (only {\"type\": \"text\"})",
+                              "response_format")
+        if req.tools not in (None, []):
+            raise bad_request("`tools` is not supported by this engine", "tools")
+        if req.tool_choice not in (None, "none"):
+            raise bad_request("`tool_choice` is not supported by this engine (only \"none\")", "tool_choice")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        ids = self.prompt_ids(req.messages)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, self.resolve_max_tokens(requested, None, len(ids), param, "messages"), k)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.submit(request_id, [ids], [params])
+        n = req.n or 1
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self.stream(request_id, ids, streams, n, k, include_usage),
+                                     media_type="text/event-stream", background=BackgroundTask(abort_all, streams))
+        finals = await self.collect(request, streams)
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self.logprobs(c, 0, k), finish_reason=c.finish_reason or "abort")
+                   for c in completions_by_index(finals[0], n)]
+        resp = ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                      usage=self.usage([ids], finals))
+        return JSONResponse(resp.model_dump())
+
+    def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """Render the chat template (with the generation prompt) and tokenize it."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        rendered = []
+        for m in messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+            rendered.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja errors: the template rejects these messages
+            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        ids = self.encode(text, "messages", add_special_tokens=False)
+        self.check_prompt_ids(ids, "messages")
+        return ids
+
+    def logprobs(self, c: CompletionOutput, start: int, k: int | None) -> ChatLogprobs | None:
+        """Chat-style logprobs of c's tokens from `start` on (None when not requested)."""
+        if k is None:
+            return None
+        entries = c.logprobs or []
+        content = []
+        for pos in range(start, len(c.token_ids)):
+            tid = c.token_ids[pos]
+            entry = entries[pos] if pos < len(entries) else {}
+            token = self.decode_token(tid)
+            top = [self.top_entry(t, v) for t, v in top_logprobs(entry, k)]
+            content.append(ChatTokenLogprob(token=token, logprob=finite(entry.get(tid, float("-inf"))),
+                                            bytes=list(token.encode("utf-8")), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def top_entry(self, tid: int, logprob: float) -> TopLogprob:
+        token = self.decode_token(tid)
+        return TopLogprob(token=token, logprob=finite(logprob), bytes=list(token.encode("utf-8")))
+
+    async def stream(self, request_id: str, ids: list[int], streams, n: int, k: int | None, include_usage: bool):
+        """SSE chunks: a role delta per choice, content deltas, finish reasons, usage, [DONE]."""
+        created = int(time.time())
+
+        def chunk(choice: ChatChunkChoice | None, usage=None) -> str:
+            body = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
+                                       choices=[choice] if choice else [], usage=usage).model_dump()
+            for ch in body["choices"]:
+                ch["delta"] = {key: v for key, v in ch["delta"].items() if v is not None}
+            if not include_usage:
+                body.pop("usage")
+            return sse(json_dumps(body))
+
+        sent = {i: [0, 0, False] for i in range(n)}  # index -> [chars sent, tokens sent, done]
+        final = None
+        try:
+            for i in range(n):
+                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for _, out in merged:
+                    final = out
+                    for c in completions_by_index(out, n):
+                        state = sent[c.index]
+                        if state[2]:
+                            continue
+                        reason = c.finish_reason or ("abort" if out.finished else None)
+                        text = c.text[state[0]:]
+                        if not text and len(c.token_ids) == state[1] and reason is None:
+                            continue
+                        lp = self.logprobs(c, state[1], k)
+                        state[:] = [len(c.text), len(c.token_ids), reason is not None]
+                        yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text or None),
+                                                    logprobs=lp, finish_reason=reason))
+            if include_usage:
+                yield chunk(None, self.usage([ids], [final]))
+        except (EngineDeadError, ShuttingDownError) as exc:
+            yield sse(json_dumps(APIError(str(exc), 503, "service_unavailable_error").body()))
+        finally:
+            abort_all(streams)
+        yield SSE_DONE

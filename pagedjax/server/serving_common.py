@@ -1,0 +1,224 @@
+"""What /v1/completions and /v1/chat/completions share: request checks, prompt limits,
+SamplingParams, submission to the AsyncEngine, stream merging and disconnect handling."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from functools import lru_cache
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.server.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestStream,
+                                          ShuttingDownError)
+from pagedjax.server.errors import APIError, bad_request
+from pagedjax.server.protocol import UsageInfo, _SamplingRequest
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def finite(x: float) -> float:
+    """JSON cannot carry inf/nan: clamp log-probabilities to a large finite value."""
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    return 0.0 if x > 0 else -9999.0
+
+
+class ServingBase:
+    """State and helpers shared by the two generation endpoints."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, tokenizer: Any) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = tokenizer
+        self.max_model_len = engine.max_model_len
+        model_config = getattr(engine.engine, "model_config", None)
+        self.vocab_size = (getattr(model_config, "vocab_size", None) or getattr(engine.engine, "vocab_size", None)
+                           or (len(tokenizer) if tokenizer is not None else 2**31))
+        decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else (lambda tid: f"token_id:{tid}")
+        self.decode_token = lru_cache(maxsize=65536)(decode)
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: give the prompt as token ids", param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def check_common(self, req: _SamplingRequest) -> None:
+        """Model name and fields accepted only at their no-op value."""
+        if req.model is not None and req.model != self.served_model_name:
+            raise APIError(f"The model `{req.model}` does not exist. This server serves "
+                           f"`{self.served_model_name}`.", 404, "not_found_error", "model", "model_not_found")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise bad_request(f"`{name}` is not supported by this engine (only 0 is accepted)", name)
+        if req.logit_bias not in (None, {}):
+            raise bad_request("`logit_bias` is not supported by this engine", "logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+
+    def check_prompt_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range [0, {self.vocab_size})", param)
+
+    def resolve_max_tokens(self, requested: int | None, default: int | None, num_prompt: int,
+                           param: str, prompt_param: str) -> int:
+        """Tokens to generate: `requested`, else `default`, else all the room left; 400 when
+        the prompt (plus an explicit request) does not fit in max_model_len."""
+        room = self.max_model_len - num_prompt
+        if room < 1:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"your prompt is {num_prompt} tokens, which leaves no room for a completion.",
+                              prompt_param, "context_length_exceeded")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
+                              f"{requested} for the completion). Reduce the prompt or `{param}`.",
+                              param, "context_length_exceeded")
+        return requested
+
+    @staticmethod
+    def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0, min_p=req.min_p or 0.0, n=req.n or 1, seed=req.seed,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos),
+                logprobs=logprobs)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    # ---- running --------------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompts: list[list[int]],
+                     params: list[SamplingParams]) -> list[RequestStream]:
+        """Add one engine request per prompt; on any failure abort the ones already added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, p) in enumerate(zip(prompts, params)):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p))
+        except BaseException as exc:
+            for s in streams:
+                s.abort()
+            if isinstance(exc, ValueError):
+                raise bad_request(str(exc)) from None
+            if isinstance(exc, QueueFullError):
+                raise APIError(str(exc), 429, "rate_limit_error", None, "queue_full") from None
+            if isinstance(exc, (ShuttingDownError, EngineDeadError)):
+                raise APIError(str(exc), 503, "service_unavailable_error", None, "unavailable") from None
+            raise
+        return streams
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Wait for every stream's final output; abort all if the client disconnects."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def consume() -> None:
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for i, out in merged:
+                    finals[i] = out
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not consumer.done():
+                raise ClientDisconnected()
+            try:
+                consumer.result()
+            except (EngineDeadError, ShuttingDownError) as exc:
+                raise APIError(str(exc), 503, "service_unavailable_error", None, "unavailable") from None
+            return finals  # type: ignore[return-value]
+        finally:
+            consumer.cancel()
+            watcher.cancel()
+            for s in streams:
+                s.abort()
+
+    @staticmethod
+    def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> UsageInfo:
+        p = sum(len(ids) for ids in prompts)
+        c = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) pairs of one position."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k] if k else []
+
+
+def abort_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+def completions_by_index(out: RequestOutput, n: int) -> list[CompletionOutput]:
+    """The n completions of a request in index order; missing ones (a request aborted
+    before any output) are empty with finish_reason "abort"."""
+    by_index = {o.index: o for o in out.outputs}
+    return [by_index.get(i) or CompletionOutput(i, "", [], "abort" if out.finished else None)
+            for i in range(n)]
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output) until all finish."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has disconnected (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def json_dumps(body: dict) -> str:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
