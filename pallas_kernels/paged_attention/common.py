@@ -1,0 +1,89 @@
+"""Math shared by the decode kernels: GQA row folding, masking, online softmax, split merge.
+
+Written with plain jnp ops on 1-D/2-D arrays only, so the same helpers trace inside a
+Mosaic (TPU) body, a Triton (GPU) body, and plain jnp code.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def compute_dtype(q_dtype, page_dtype):
+    """Dtype the kernels feed their dots: f32 if either side is f32, else bf16."""
+    return jnp.promote_types(q_dtype, page_dtype)
+
+
+def fold_decode_q(q: jax.Array, num_kv_heads: int, rows: int, dim: int, dtype) -> jax.Array:
+    """[S, H, D] -> [S, Hkv, rows, dim] (G query heads of a kv head as rows, zero padded)."""
+    s, h, d = q.shape
+    g = h // num_kv_heads
+    qg = q.reshape(s, num_kv_heads, g, d).astype(dtype)  # [S, Hkv, G, D]
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, dim - d)))
+
+
+def unfold_decode_o(o: jax.Array, num_heads: int, dim: int) -> jax.Array:
+    """[S, Hkv, rows, dim'] -> [S, H, D] (drops the row and lane padding)."""
+    s, hkv = o.shape[:2]
+    g = num_heads // hkv
+    return o[:, :, :g, :dim].reshape(s, num_heads, dim)
+
+
+def mask_scores(scores: jax.Array, tok: jax.Array, kv_len) -> jax.Array:
+    """scores [R, T] with keys at absolute positions tok (broadcastable to [R, T]).
+
+    Decode (Q == 1): the query sits at kv_len - 1, so causality is `tok < kv_len`.
+    """
+    return jnp.where(tok < kv_len, scores, NEG_INF)
+
+
+def softmax_step(m, l, acc, scores, pv, *, keepdims: bool):
+    """One online-softmax step over a chunk of keys (same math as `online_softmax_update`).
+
+    m, l: running max / sum, [R, 1] if keepdims else [R]; acc: [R, Dv] f32;
+    scores: [R, T] f32 (masked entries -inf); pv: p [R, T] f32 -> p @ values [R, Dv] f32.
+    Rows with no valid key so far keep m = -inf, l = 0, acc = 0.
+    """
+    col = (lambda x: x) if keepdims else (lambda x: x[:, None])
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=keepdims))
+    m_safe = jnp.where(m_new > NEG_INF, m_new, 0.0)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(scores - col(m_safe))
+    l_new = alpha * l + jnp.sum(p, axis=-1, keepdims=keepdims)
+    acc_new = col(alpha) * acc + pv(p)
+    return m_new, l_new, acc_new
+
+
+def finalize(m, l, acc, *, keepdims: bool):
+    """-> (out [R, Dv] = acc / l (0 where l == 0), lse = m + log l (-inf where l == 0))."""
+    col = (lambda x: x) if keepdims else (lambda x: x[:, None])
+    ok = l > 0
+    l_safe = jnp.where(ok, l, 1.0)
+    out = jnp.where(col(ok), acc / col(l_safe), 0.0)
+    lse = jnp.where(ok, m + jnp.log(l_safe), NEG_INF)
+    return out, lse
+
+
+def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """Log-sum-exp merge of split-K partials.
+
+    o: [..., K, R, D] f32 normalized partials; lse: [..., K, R] (-inf for empty splits).
+    Returns [..., R, D] (zeros where every split is empty).
+    """
+    top = jnp.max(lse, axis=-2, keepdims=True)  # [..., 1, R]
+    top = jnp.where(top > NEG_INF, top, 0.0)
+    w = jnp.exp(lse - top)  # [..., K, R]; 0 for empty splits
+    den = jnp.sum(w, axis=-2)  # [..., R]
+    num = jnp.sum(w[..., None] * o, axis=-3)  # [..., R, D]
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)

@@ -1,0 +1,172 @@
+"""Validating public entry points for paged attention; pick a backend implementation.
+
+All checks read static shapes and dtypes only, so the wrappers run inside jax.jit.
+impl:
+  "auto"        decode (Q == 1) on TPU -> "pallas_tpu", on GPU -> "pallas_gpu" (when the page
+                size suits the kernel); CPU or Q > 1 -> "chunked"
+  "reference"   gather every page (paged_attention_reference)
+  "chunked"     online-softmax loop over the pages in use (paged_attention_chunked)
+  "pallas_tpu", "pallas_gpu"                       compiled kernels, decode only
+  "pallas_tpu_interpret", "pallas_gpu_interpret"   the same bodies in interpret mode (tests)
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from . import reference
+from .pallas_gpu import gpu_supported, paged_decode_attention_gpu
+from .pallas_tpu import paged_decode_attention_tpu, tpu_supported
+
+IMPLS = ("auto", "reference", "chunked", "pallas_tpu", "pallas_gpu",
+         "pallas_tpu_interpret", "pallas_gpu_interpret")
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+
+
+def _check_float(name, x):
+    if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32 or bfloat16, got {x.dtype}")
+
+
+def _check_int32(name, x):
+    if jnp.dtype(x.dtype) != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+
+
+def _check_rank(name, x, rank, layout):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if len(x.shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
+
+
+def _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl):
+    """q is [S, Q, H, D] here; q_lens may be None (decode)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    _check_rank("k_pages", k_pages, 4, "[Hkv, NB, BS, D]")
+    _check_rank("v_pages", v_pages, 4, "[Hkv, NB, BS, D]")
+    _check_rank("block_tables", block_tables, 2, "[S, MB]")
+    _check_rank("kv_lens", kv_lens, 1, "[S]")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}")
+    if k_pages.dtype != v_pages.dtype:
+        raise TypeError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
+    _check_float("q", q)
+    _check_float("k_pages", k_pages)
+    _check_int32("block_tables", block_tables)
+    _check_int32("kv_lens", kv_lens)
+    s, _, h, d = q.shape
+    hkv = k_pages.shape[0]
+    if k_pages.shape[-1] != d:
+        raise ValueError(f"head dim of q ({d}) and of the pages ({k_pages.shape[-1]}) differ")
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    if block_tables.shape[0] != s or kv_lens.shape[0] != s:
+        raise ValueError(f"sequence counts differ: q has {s}, block_tables "
+                         f"{block_tables.shape[0]}, kv_lens {kv_lens.shape[0]}")
+    if q_lens is not None:
+        _check_rank("q_lens", q_lens, 1, "[S]")
+        _check_int32("q_lens", q_lens)
+        if q_lens.shape[0] != s:
+            raise ValueError(f"sequence counts differ: q has {s}, q_lens {q_lens.shape[0]}")
+
+
+def _resolve(impl, num_q, page_size, page_dtype):
+    """Concrete implementation name for this call (backend read at trace time)."""
+    backend = jax.default_backend()
+    if impl == "auto":
+        if num_q == 1 and backend == "tpu" and tpu_supported(page_size, page_dtype):
+            return "pallas_tpu"
+        if num_q == 1 and backend in _GPU_BACKENDS and gpu_supported(page_size):
+            return "pallas_gpu"
+        return "chunked"
+    if impl.startswith("pallas") and num_q != 1:
+        raise ValueError(f"impl={impl!r} is a decode kernel (Q == 1); got Q = {num_q}; "
+                         "use 'chunked' or 'auto'")
+    if impl == "pallas_tpu" and backend != "tpu":
+        raise ValueError(f"impl='pallas_tpu' needs a TPU backend (have {backend!r}); "
+                         "use 'pallas_tpu_interpret' on other backends")
+    if impl == "pallas_gpu" and backend not in _GPU_BACKENDS:
+        raise ValueError(f"impl='pallas_gpu' needs a GPU backend (have {backend!r}); "
+                         "use 'pallas_gpu_interpret' on other backends")
+    if impl.startswith("pallas_gpu") and not gpu_supported(page_size):
+        raise ValueError(f"pallas_gpu needs a power-of-two page size, got {page_size}")
+    return impl
+
+
+def _tpu_interpret():
+    from jax.experimental.pallas import tpu as pltpu
+    # Simulated DMAs land only at .wait(), scratch starts as NaN: catches ordering bugs.
+    return pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
+
+
+def _decode(impl, q, k_pages, v_pages, block_tables, kv_lens, scale):
+    """q [S, H, D] through a Pallas decode kernel."""
+    if impl.startswith("pallas_tpu"):
+        interpret = _tpu_interpret() if impl.endswith("interpret") else False
+        return paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens,
+                                          scale=scale, interpret=interpret)
+    return paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scale=scale,
+                                      interpret=impl.endswith("interpret"))
+
+
+def _scale(scale, d):
+    return 1.0 / math.sqrt(d) if scale is None else scale
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale=None,
+                    impl="auto"):
+    """q [S, Q, H, D] -> [S, Q, H, D]; see reference.py for the layout and semantics."""
+    _check_rank("q", q, 4, "[S, Q, H, D]")
+    _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl)
+    scale = _scale(scale, q.shape[-1])
+    name = _resolve(impl, q.shape[1], k_pages.shape[2], k_pages.dtype)
+    if name == "reference":
+        return reference.paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens,
+                                                   q_lens, scale=scale)
+    if name == "chunked":
+        return reference.paged_attention_chunked(q, k_pages, v_pages, block_tables, kv_lens,
+                                                 q_lens, scale=scale)
+    lens = jnp.where(q_lens > 0, kv_lens, 0)  # an empty query slot outputs zeros
+    return _decode(name, q[:, 0], k_pages, v_pages, block_tables, lens, scale)[:, None]
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, kv_lens, *, scale=None,
+                           impl="auto"):
+    """One query token per sequence: q [S, H, D] -> [S, H, D]."""
+    _check_rank("q", q, 3, "[S, H, D]")
+    s, h, d = q.shape
+    q4 = jax.ShapeDtypeStruct((s, 1, h, d), q.dtype)  # shape-only view as [S, 1, H, D]
+    _validate(q4, k_pages, v_pages, block_tables, kv_lens, None, impl)
+    scale = _scale(scale, q.shape[-1])
+    name = _resolve(impl, 1, k_pages.shape[2], k_pages.dtype)
+    if name in ("reference", "chunked"):
+        q_lens = jnp.ones(q.shape[:1], jnp.int32)
+        return paged_attention(q[:, None], k_pages, v_pages, block_tables, kv_lens, q_lens,
+                               scale=scale, impl=name)[:, 0]
+    return _decode(name, q, k_pages, v_pages, block_tables, kv_lens, scale)
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    """Scatter k, v [T, Hkv, D] into their slots (slot_mapping [T] int32, -1 = drop)."""
+    _check_rank("k_pages", k_pages, 4, "[Hkv, NB, BS, D]")
+    _check_rank("k", k, 3, "[T, Hkv, D]")
+    _check_rank("slot_mapping", slot_mapping, 1, "[T]")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    hkv, _, _, d = k_pages.shape
+    if k.shape[1:] != (hkv, d):
+        raise ValueError(f"k must be [T, {hkv}, {d}] to match the pages, got {k.shape}")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries "
+                         f"for {k.shape[0]} tokens")
+    _check_int32("slot_mapping", slot_mapping)
+    _check_float("k_pages", k_pages)
+    _check_float("k", k)
+    return reference.write_kv(k_pages, v_pages, k, v, slot_mapping)

@@ -1,0 +1,140 @@
+"""Pallas GPU (Triton lowering) paged decode attention (Q == 1), split-K / flash-decoding.
+
+Grid (S, Hkv, K): program (s, h, k) owns logical pages [k * PS, (k + 1) * PS) of sequence s,
+clipped to its valid pages, and walks them `pages_per_compute_block` pages at a time with a
+dynamic trip count (no work past kv_lens). The G query heads of kv head h are the rows of
+one [R, Dp] tile (R = G padded to >= 16 and Dp = D padded to a power of two >= 16, as
+tl.dot needs), so each K/V page is loaded once per kv head. Each program writes a
+normalized partial output and its log-sum-exp; the splits are merged in jnp afterwards.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import common
+
+
+def gpu_supported(page_size: int) -> bool:
+    """Triton blocks need power-of-two sizes."""
+    return page_size & (page_size - 1) == 0
+
+
+def default_pages_per_compute_block(page_size: int) -> int:
+    """Pages per loop step: 64 tokens a step, at least 16 keys (tl.dot's minimum N)."""
+    return max(1, 64 // page_size)
+
+
+def default_num_splits(max_blocks: int, min_pages: int, programs: int) -> int:
+    """Splits so that ~1024 programs run (programs = S * Hkv without splitting), each split
+    keeping >= min_pages pages; at most 16. A guess to be tuned on the device."""
+    want = -(-1024 // max(programs, 1))
+    return max(1, min(16, want, max_blocks // max(min_pages, 1)))
+
+
+def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
+            lens_ref,  # [S] int32 (whole)
+            q_ref,  # [R, Dp] block
+            k_ref, v_ref,  # [Hkv, NB, BS, D] (whole)
+            o_ref,  # [R, Dp] f32 block: normalized partial output
+            lse_ref,  # [R] f32 block: log-sum-exp of the partial
+            *, scale, pages_per_block, pages_per_split, max_blocks):
+    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, nb, bs, d = k_ref.shape
+    rows, dp = q_ref.shape
+    p = pages_per_block
+    t = p * bs
+    kv_len = lens_ref[s]
+    n_pages = jnp.minimum((kv_len + bs - 1) // bs, max_blocks)
+    first = split * pages_per_split
+    last = jnp.minimum(first + pages_per_split, n_pages)
+    n_iter = (jnp.maximum(last - first, 0) + p - 1) // p
+
+    q = q_ref[...]  # [R, Dp]
+    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    lane = jnp.arange(dp, dtype=jnp.int32)[None, None, :]  # [1, 1, Dp]
+    slot = jnp.arange(bs, dtype=jnp.int32)[None, :, None]  # [1, BS, 1]
+    if dp != d:  # padded head dim: clamp pad lanes in bounds, then mask them to 0
+        lane_idx, lane_ok = jnp.minimum(lane, d - 1), lane < d
+    else:  # keep the plain range so Triton sees contiguous, vectorizable lanes
+        lane_idx, lane_ok = lane, None
+
+    def load(ref, ids, rows_ok):  # -> [T, Dp], zeros outside valid tokens / lanes
+        mask = rows_ok[:, :, None] if lane_ok is None else rows_ok[:, :, None] & lane_ok
+        mask = jnp.broadcast_to(mask, (p, bs, dp))
+        x = plgpu.load(ref.at[h, ids[:, None, None], slot, lane_idx],
+                       mask=mask, other=0.0)  # [P, BS, Dp]
+        return x.reshape(t, dp).astype(q.dtype)
+
+    def body(i, carry):
+        m, l, acc = carry
+        page0 = first + i * p
+        ids = bt_ref[s, pl.ds(page0, p)]  # [P]
+        ids = jnp.minimum(jnp.maximum(ids, 0), nb - 1)  # entries past the end may be junk
+        page_tok = (page0 + jnp.arange(p, dtype=jnp.int32))[:, None] * bs  # [P, 1]
+        rows_ok = page_tok + jnp.arange(bs, dtype=jnp.int32)[None, :] < kv_len  # [P, BS]
+        k = load(k_ref, ids, rows_ok)  # [T, Dp]
+        v = load(v_ref, ids, rows_ok)  # [T, Dp]
+        scores = plgpu.dot(q, k, trans_b=True, precision=prec) * scale  # [R, T] f32
+        tok = page0 * bs + jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
+        scores = common.mask_scores(scores, tok, kv_len)
+
+        def pv(pr):  # [R, T] f32 -> [R, Dp] f32
+            return plgpu.dot(pr.astype(v.dtype), v, precision=prec)
+
+        return common.softmax_step(m, l, acc, scores, pv, keepdims=False)
+
+    m0 = jnp.full((rows,), common.NEG_INF, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    acc0 = jnp.zeros((rows, dp), jnp.float32)
+    m, l, acc = lax.fori_loop(0, n_iter, body, (m0, l0, acc0))
+    out, lse = common.finalize(m, l, acc, keepdims=False)
+    o_ref[...] = out
+    lse_ref[...] = lse
+
+
+def paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, *, scale,
+                               pages_per_compute_block=None, num_splits=None,
+                               num_warps=4, num_stages=2, interpret=False):
+    """q [S, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens [S] -> [S, H, D].
+
+    Unvalidated kernel entry (see ops.paged_decode_attention); BS must be a power of two.
+    """
+    s, h, d = q.shape
+    hkv, _, bs, _ = k_pages.shape
+    mb = block_tables.shape[1]
+    g = h // hkv
+    p = pages_per_compute_block or default_pages_per_compute_block(bs)
+    p = min(common.next_pow2(p), common.next_pow2(mb))
+    p = max(p, common.next_pow2(-(-16 // bs)))  # >= 16 keys a step for tl.dot
+    ksplit = num_splits or default_num_splits(mb, 4 * p, s * hkv)
+    pps = common.round_up(-(-mb // ksplit), p)  # pages per split, multiple of P
+    ksplit = -(-mb // pps)
+    rows, dp = max(16, common.next_pow2(g)), max(16, common.next_pow2(d))
+    cdt = common.compute_dtype(q.dtype, k_pages.dtype)
+    qf = common.fold_decode_q(q, hkv, rows, dp, cdt)  # [S, Hkv, R, Dp]
+    bt = jnp.pad(block_tables, ((0, 0), (0, ksplit * pps - mb)))  # [S, K * PS]
+    whole = pl.BlockSpec()  # full array; the kernel indexes it
+    kernel = functools.partial(_kernel, scale=float(scale), pages_per_block=p,
+                               pages_per_split=pps, max_blocks=mb)
+    o, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((s, hkv, ksplit, rows, dp), jnp.float32),
+                   jax.ShapeDtypeStruct((s, hkv, ksplit, rows), jnp.float32)),
+        grid=(s, hkv, ksplit),
+        in_specs=[whole, whole,
+                  pl.BlockSpec((None, None, rows, dp), lambda i, j, k: (i, j, 0, 0)),
+                  whole, whole],
+        out_specs=(pl.BlockSpec((None, None, None, rows, dp), lambda i, j, k: (i, j, k, 0, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0))),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention_gpu",
+    )(bt, kv_lens, qf, k_pages, v_pages)
+    out = common.merge_splits(o, lse)  # [S, Hkv, R, Dp]
+    return common.unfold_decode_o(out, h, d).astype(q.dtype)

@@ -1,0 +1,67 @@
+"""One-shot device check for the Pallas GPU decode kernel (about 3-5 minutes).
+
+    PYTHONPATH=. python scripts/gpu_kernel_check.py             # on an NVIDIA GPU machine
+    PYTHONPATH=. python scripts/gpu_kernel_check.py --allow-cpu  # dry run of the same steps
+
+1. prints the environment (jax, devices);
+2. runs the kernel tests compiled on the GPU (TestDecodeKernels, not the interpret copy),
+   plus the Triton lowering smoke test;
+3. runs scripts/bench_kernels.py (bf16, full configs) and writes results/bench_kernels.json.
+On a host without a GPU it stops at step 1 unless --allow-cpu, which runs the interpret-mode
+GPU tests and the quick CPU benchmark instead. Exit code: 0 when the tests pass.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST = "tests/pallas_kernels/test_paged_attention.py"
+
+
+def run(cmd, timeout):
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    try:
+        rc = subprocess.run(cmd, cwd=ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"[check] timed out after {timeout}s")
+        rc = 124
+    print(f"[check] rc={rc} in {time.time() - t0:.0f}s", flush=True)
+    return rc
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--allow-cpu", action="store_true")
+    args = ap.parse_args()
+    os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    import jax
+    backend = jax.default_backend()
+    print(f"[check] jax {jax.__version__}, backend={backend}, devices={jax.devices()}")
+    on_gpu = backend in ("gpu", "cuda")
+    if not on_gpu and not args.allow_cpu:
+        print("[check] no GPU backend: install jax[cuda12] on a GPU host, or pass --allow-cpu")
+        return 2
+    py = sys.executable
+    if on_gpu:
+        tests = [py, "-m", "pytest", TEST, "-q", "-rs", "--durations=5",
+                 "-p", "no:cacheprovider",
+                 "-k", "(TestDecodeKernels and not Interpret and not tpu)"
+                       " or test_lowers_for_device"]
+        bench = [py, "scripts/bench_kernels.py", "--iters", "20"]
+    else:
+        tests = [py, "-m", "pytest", TEST, "-q", "-p", "no:cacheprovider",
+                 "-k", "Interpret and gpu and not splits"]
+        bench = [py, "scripts/bench_kernels.py", "--quick", "--iters", "2"]
+    rc_tests = run(tests, timeout=180)
+    rc_bench = run(bench, timeout=150)
+    print(f"\n[check] tests rc={rc_tests}, bench rc={rc_bench}")
+    return rc_tests or rc_bench
+
+
+if __name__ == "__main__":
+    sys.exit(main())
