@@ -71,11 +71,16 @@ def resolve_dtype(dtype: str, cfg: ModelConfig):
 
 def load_tokenizer(model_dir: str | Path):
     """The directory's HF tokenizer, or None when it ships none (token-id prompts only)."""
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").is_file():  # the fast path; AutoTokenizer would import torch
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    names = ("tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((model_dir / n).is_file() for n in names):
+        return None
     from transformers import AutoTokenizer
 
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if not any((Path(model_dir) / n).is_file() for n in names):
-        return None
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 

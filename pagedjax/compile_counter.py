@@ -29,3 +29,19 @@ def install() -> None:
 def num_compilations() -> int:
     """XLA compilations seen since `install()` (all of them, in every thread)."""
     return _count
+
+
+def enable_persistent_cache() -> None:
+    """Keeps compiled steps on disk so a restart does not compile again.
+
+    Uses `$PAGEDJAX_CACHE/jax_compilation_cache` (default ~/.cache/pagedjax); leaves a cache
+    dir the user configured alone; `PAGEDJAX_COMPILE_CACHE=0` turns it off.
+    """
+    import os
+    from pathlib import Path
+
+    if os.environ.get("PAGEDJAX_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    root = Path(os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax")
+    jax.config.update("jax_compilation_cache_dir", str(root / "jax_compilation_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

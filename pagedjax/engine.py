@@ -51,6 +51,7 @@ class _Group:
 class LLMEngine:
     def __init__(self, model: str | None = None, *, stream_text: bool = True, **engine_kwargs):
         compile_counter.install()
+        compile_counter.enable_persistent_cache()
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.model, self.model_config, self.tokenizer = load_model(model, self.config.dtype)
         cfg = self.config

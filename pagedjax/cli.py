@@ -1,0 +1,105 @@
+"""Command line: `pagedjax generate ...` and `pagedjax serve ...`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine knobs shared by every subcommand."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="padded tokens per prefill step")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes")
+    g.add_argument("--kv-cache", choices=["paged", "dense"], default="paged")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds derive from it)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
+                seed=args.seed)
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one or more prompts, streaming it",
+                       description="Generate text with the embedded default model or a local HF model dir.")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (default: read one from stdin)")
+    p.add_argument("--model", default=None, help="local Hugging Face model dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    add_engine_arguments(p)
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pagedjax.engine import LLMEngine
+    from pagedjax.sampling_params import SamplingParams
+
+    prompts = args.prompts or ([sys.stdin.read().strip()] if not sys.stdin.isatty() else [])
+    if not prompts or not all(prompts):
+        print("error: give at least one non-empty PROMPT (or pipe one on stdin)", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+        engine = LLMEngine(args.model, stream_text=True, **engine_kwargs(args))
+        for i, prompt in enumerate(prompts):
+            if args.chat:
+                prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                              add_generation_prompt=True, tokenize=False)
+            engine.add_request(str(i), prompt, params)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _stream(engine, len(prompts))
+    return 0
+
+
+def _stream(engine, n: int) -> None:
+    """Prints text as it is produced: live for one prompt, per prompt when it ends otherwise."""
+    shown = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            if n == 1:
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+            elif out.finished:
+                print(f"--- [{out.request_id}] ---\n{text}")
+    if n == 1:
+        print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedjax", description="JAX/Pallas LLM inference with a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    try:
+        from pagedjax.server.cli import add_serve_arguments, run_serve
+    except ImportError:
+        pass
+    else:
+        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+        add_serve_arguments(serve)
+        serve.set_defaults(func=run_serve)
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""After the first generate, new batch sizes and lengths compile nothing."""
+import jax
+import numpy as np
+
+from pagedjax import LLM, SamplingParams
+
+_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileEvents:
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, **kw):
+        if event == _EVENT:
+            self.count += 1
+
+
+def test_no_compilation_after_first_generate(tiny_checkpoints):
+    events = CompileEvents()
+    path, _ = tiny_checkpoints("qwen2")
+    llm = LLM(str(path), max_num_seqs=4, max_model_len=96, block_size=8, num_blocks=64,
+              max_num_batched_tokens=64)
+    rng = np.random.default_rng(0)
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    after_first = events.count
+    assert after_first > 0
+    assert llm.stats()["num_compiled_shapes"] == len(llm.engine.buckets.all_shapes())
+    for batch, (lo, hi), max_tokens in [(1, (1, 5), 3), (3, (10, 40), 17), (7, (30, 80), 9), (2, (60, 90), 6)]:
+        prompts = [rng.integers(2, 300, size=int(rng.integers(lo, hi))).tolist() for _ in range(batch)]
+        params = [SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=0.9, seed=i)
+                  for i, (t, k) in enumerate([(0.0, 0), (0.8, 5)] * batch)][:batch]
+        llm.generate(prompts, params, use_tqdm=False)
+    assert events.count == after_first, "a workload inside the configured limits triggered an XLA compile"
+    assert llm.stats()["kv_blocks_free"] == 64

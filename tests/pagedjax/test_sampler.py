@@ -1,0 +1,55 @@
+"""On-device sampler: filters, seeds, batch independence."""
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.sampler import SamplingInputs, sample
+
+
+def inputs(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None):
+    f = lambda v: jnp.full((n,), v, jnp.float32)
+    return SamplingInputs(f(temperature), jnp.full((n,), top_k, jnp.int32), f(top_p), f(min_p),
+                          jnp.asarray(seeds if seeds is not None else range(n), jnp.uint32),
+                          jnp.asarray(steps if steps is not None else [0] * n, jnp.int32))
+
+
+def logits(n, v=50, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, v)) * 3, jnp.float32)
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+    x = logits(4)
+    out = sample(x, inputs(4, temperature=0.0))
+    np.testing.assert_array_equal(out.tokens, np.argmax(x, -1))
+    lp = np.asarray(x) - np.log(np.exp(np.asarray(x, np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(out.logprobs, lp[np.arange(4), out.tokens], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.top_ids[:, 0], np.argmax(x, -1))
+
+
+def test_top_k_one_and_tiny_top_p_and_min_p_one_are_greedy():
+    x = logits(8, seed=1)
+    want = np.argmax(x, -1)
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        np.testing.assert_array_equal(sample(x, inputs(8, temperature=1.5, **kw)).tokens, want)
+
+
+def test_top_k_restricts_support():
+    x = logits(1, seed=2)
+    top3 = set(np.argsort(-np.asarray(x[0]))[:3].tolist())
+    drawn = {int(sample(x, inputs(1, top_k=3, seeds=[s])).tokens[0]) for s in range(60)}
+    assert drawn <= top3 and len(drawn) > 1
+
+
+def test_top_p_restricts_support():
+    x = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+    drawn = {int(sample(x, inputs(1, top_p=0.7, seeds=[s])).tokens[0]) for s in range(80)}
+    assert drawn == {0, 1}
+
+
+def test_seeded_samples_do_not_depend_on_the_batch():
+    x = logits(1, v=1000, seed=3)
+    alone = [int(sample(x, inputs(1, seeds=[42], steps=[s])).tokens[0]) for s in range(5)]
+    batch = jnp.concatenate([logits(3, v=1000, seed=4), x])
+    together = [int(sample(batch, inputs(4, seeds=[1, 2, 3, 42], steps=[s] * 4)).tokens[3]) for s in range(5)]
+    assert alone == together
+    other_seed = [int(sample(x, inputs(1, seeds=[43], steps=[s])).tokens[0]) for s in range(5)]
+    assert other_seed != alone

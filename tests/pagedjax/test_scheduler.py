@@ -1,0 +1,106 @@
+"""Scheduler behaviour with no model: admission, limits, preemption, prefix hits, freeing."""
+import pytest
+
+from pagedjax.block_pool import BlockPool
+from pagedjax.buckets import Buckets
+from pagedjax.request import Request, RequestStatus
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.scheduler import Scheduler
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=64, caching=True):
+    pool = BlockPool(num_blocks, block_size, caching)
+    return Scheduler(pool, Buckets(max_num_seqs, budget, max_model_len), max_model_len)
+
+
+def req(rid, n, max_tokens=8, start=100):
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens), seed=0)
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    produced = s.update(out, [token] * len(out.requests))
+    for r, t in produced:
+        s.check_stop(r, t)
+    return out
+
+
+def test_rejects_prompts_that_can_never_run():
+    s = make(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add(req("long", 64))
+    with pytest.raises(ValueError, match="pool has only 4"):
+        s.add(req("big", 10, max_tokens=20))  # needs 8 blocks
+    assert not s.has_unfinished()
+
+
+def test_admits_up_to_max_num_seqs_and_decodes_all():
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        s.add(req(str(i), 5))
+    out = run_step(s)
+    assert out.is_prefill and [r.request_id for r in out.requests] == ["0", "1"]
+    assert out.q_lens == [5, 5] and len(s.waiting) == 1
+    out = run_step(s)
+    assert not out.is_prefill and out.q_lens == [1, 1]
+
+
+def test_finished_request_returns_blocks_at_once():
+    s = make(caching=False)
+    s.add(req("a", 5, max_tokens=2))
+    run_step(s)
+    assert s.pool.num_free == 16 - 2
+    run_step(s)  # second token: max_tokens reached
+    assert not s.has_unfinished() and s.pool.num_free == 16
+
+
+def test_abort_frees_blocks():
+    s = make()
+    r = req("a", 9)
+    s.add(r)
+    run_step(s)
+    s.finish(r, "abort")
+    assert r.status is RequestStatus.FINISHED and r.finish_reason == "abort"
+    assert s.pool.num_free == 16 and not s.running
+
+
+def test_preempts_newest_when_pool_runs_out():
+    s = make(num_blocks=4, block_size=4, max_num_seqs=4)
+    a, b = req("a", 4, max_tokens=8), req("b", 4, max_tokens=8, start=200)
+    s.add(a), s.add(b)
+    run_step(s)  # both prefilled: 1 block each, 1 token out each
+    while s.has_unfinished():
+        run_step(s)
+        assert sum(len(r.block_ids) for r in s.running) <= 4
+    assert s.num_preemptions >= 1  # 2 x 3 blocks needed, 4 in the pool
+    assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
+    assert s.pool.num_free == 4
+    s.pool.check_invariants()
+
+
+def test_prefix_hits_skip_cached_full_blocks():
+    s = make(block_size=4)
+    s.add(req("a", 10, max_tokens=1))
+    run_step(s)
+    assert not s.has_unfinished()
+    b = req("b", 10, max_tokens=1)
+    s.add(b)
+    out = s.schedule()
+    assert out.starts == [8] and out.q_lens == [2]  # two full blocks from cache
+    assert s.prefix_cache_hit_tokens == 8 and s.prefix_cache_query_tokens == 20
+    c = req("c", 8, max_tokens=1)  # exactly two blocks: one token must still be computed
+    s.update(out, [1])
+    s.add(c)
+    out = s.schedule()
+    assert out.starts == [4] and out.q_lens == [4]
+
+
+def test_chunked_prefill_splits_long_prompts():
+    s = make(budget=16, max_model_len=64)
+    r = req("a", 40)
+    s.add(r)
+    chunks = []
+    while not r.output_token_ids:
+        out = run_step(s)
+        chunks.append(out.q_lens[0])
+    assert chunks == [16, 16, 8]
