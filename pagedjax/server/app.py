@@ -129,6 +129,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
         return APIError(f"internal server error: {exc!r}", 500, "server_error").response()
 
     async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length", "0")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", 413)

@@ -200,12 +200,14 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
-        busy = False
+        busy = stalled = False
         try:
             self._stats = dict(self.engine.stats())
             self._ready.set()
             while True:
                 with self._cond:
+                    if stalled and not self._commands and not self._stop:
+                        self._cond.wait(0.005)  # work that cannot progress: do not spin on the GIL
                     while not self._commands and not busy and not self._stop:
                         self._cond.wait()
                     commands = list(self._commands)
@@ -217,7 +219,9 @@ class AsyncEngine:
                     self._abort_all(ShuttingDownError("the server shut down"))
                     return
                 busy = self.engine.has_unfinished_requests()
+                stalled = False
                 if busy:
+                    t0 = time.perf_counter()
                     try:
                         outputs = self.engine.step()
                     except Exception as exc:  # fail the requests in flight, keep serving
@@ -226,6 +230,7 @@ class AsyncEngine:
                         outputs = []
                     self._dispatch(outputs)
                     busy = self.engine.has_unfinished_requests()
+                    stalled = not outputs and time.perf_counter() - t0 < 1e-3
                 self._stats = dict(self.engine.stats())
         except BaseException as exc:  # pragma: no cover - a broken engine
             logger.exception("engine thread died")
@@ -247,10 +252,10 @@ class AsyncEngine:
         elif kind == "abort":
             rid = command[1]
             self.engine.abort_request(rid)
-            self._last_outputs.pop(rid, None)
+            last = self._last_outputs.pop(rid, None)
             stream = self._streams.pop(rid, None)
-            if stream is not None:
-                self._post(stream, _aborted(stream.request_id, None))
+            if stream is not None:  # the consumer is gone; this feeds the metrics
+                self._post(stream, _aborted(rid, last))
         elif kind == "abort_all":
             self._abort_all(None)
 

@@ -69,7 +69,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedjax.engine import LLMEngine  # lazy: importing JAX and loading weights is slow
     from pagedjax.server.async_engine import AsyncEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedjax").setLevel(args.log_level.upper())
     try:
         engine = LLMEngine(args.model, stream_text=True, **engine_kwargs(args))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -74,7 +74,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(stats_fn))
         r = self.registry
-        self.request_success = Counter("pagedjax:request_success", "Finished requests by finish reason.",
+        self.request_success = Counter("pagedjax:request_success", "Finished sequences (n per request) by finish reason.",
                                        ["finished_reason"], registry=r)
         self.request_errors = Counter("pagedjax:request_errors", "Requests rejected with an error, by HTTP status.",
                                       ["status"], registry=r)
