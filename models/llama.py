@@ -45,24 +45,22 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, arrays: dict, dtype):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        for name in ("wq", "wk", "wv", "wo"):
-            setattr(self, name, _param(arrays, name, dtype))
-        for name in ("bq", "bk", "bv", "bo", "q_norm", "k_norm"):
+        self.wqkv = _param(arrays, "wqkv", dtype)  # [E, (H + 2 Hkv) D]: q, k, v projections fused
+        self.wo = _param(arrays, "wo", dtype)  # [H D, E]
+        for name in ("bqkv", "bo", "q_norm", "k_norm"):
             setattr(self, name, _param(arrays, name, dtype) if name in arrays else None)
 
     def __call__(self, x, cos, sin, layer_kv: LayerKV, md: AttentionMetadata, cache):
         """x [S,Q,E] -> (new layer_kv, out [S,Q,E])."""
         s, nq, _ = x.shape
 
-        def proj(w, b, heads):
-            y = x @ w[...]
-            if b is not None:
-                y = y + b[...]
-            return y.reshape(s, nq, heads, self.head_dim)
-
-        q = proj(self.wq, self.bq, self.num_heads)  # [S, Q, H, D]
-        k = proj(self.wk, self.bk, self.num_kv_heads)  # [S, Q, Hkv, D]
-        v = proj(self.wv, self.bv, self.num_kv_heads)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = x @ self.wqkv[...]
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv[...]
+        q = qkv[..., :h * d].reshape(s, nq, h, d)  # [S, Q, H, D]
+        k = qkv[..., h * d:(h + hkv) * d].reshape(s, nq, hkv, d)  # [S, Q, Hkv, D]
+        v = qkv[..., (h + hkv) * d:].reshape(s, nq, hkv, d)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
@@ -76,12 +74,12 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, arrays: dict, dtype):
-        self.w_gate = _param(arrays, "w_gate", dtype)  # [E, I]
-        self.w_up = _param(arrays, "w_up", dtype)  # [E, I]
+        self.w_gate_up = _param(arrays, "w_gate_up", dtype)  # [E, 2 I]: gate and up fused
         self.w_down = _param(arrays, "w_down", dtype)  # [I, E]
 
     def __call__(self, x):
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        gate, up = jnp.split(x @ self.w_gate_up[...], 2, axis=-1)
+        return (jax.nn.silu(gate) * up) @ self.w_down[...]
 
 
 class DecoderLayer(nnx.Module):

@@ -48,11 +48,20 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
                     continue
             w = take(name)
             layer[ours] = w.T if transpose else w
-        layers.append(layer)
+        layers.append(_fuse(layer))
     arrays = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight"), "layers": layers}
     if not cfg.tie_word_embeddings:
         arrays["lm_head"] = take("lm_head.weight")
     return arrays
+
+
+def _fuse(layer: dict) -> dict:
+    """Concatenates q/k/v (weights and biases) and gate/up so each runs as one matmul."""
+    layer["wqkv"] = np.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=1)
+    if "bq" in layer:
+        layer["bqkv"] = np.concatenate([layer.pop("bq"), layer.pop("bk"), layer.pop("bv")])
+    layer["w_gate_up"] = np.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=1)
+    return layer
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig):

@@ -54,6 +54,7 @@ class ModelRunner:
         temperature, top_p, min_p = np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.float32)
         top_k, step = np.zeros(s, np.int32), np.zeros(s, np.int32)
         seed = np.zeros(s, np.uint32)
+        want_logprobs = np.zeros(s, bool)
         for i, (req, start, ql) in enumerate(zip(out.requests, out.starts, out.q_lens)):
             blocks = req.block_ids
             tables[i, :len(blocks)] = blocks
@@ -70,8 +71,9 @@ class ModelRunner:
             p = req.params
             temperature[i], top_p[i], min_p[i], top_k[i] = p.temperature, p.top_p, p.min_p, p.top_k
             seed[i], step[i] = req.seed & 0xFFFFFFFF, len(req.output_token_ids)
+            want_logprobs[i] = p.logprobs is not None
         md = AttentionMetadata(positions, slots, tables, kv_lens, q_lens)
-        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, step)
+        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, step, want_logprobs)
         return tokens, md, sampling
 
     def execute(self, out: SchedulerOutput) -> dict[str, np.ndarray]:
@@ -93,7 +95,8 @@ class ModelRunner:
                                    np.zeros((s, self.max_blocks_per_seq), np.int32), np.zeros(s, np.int32),
                                    np.zeros(s, np.int32))
             z = np.zeros(s, np.float32)
-            sampling = SamplingInputs(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32))
+            sampling = SamplingInputs(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32),
+                                      np.zeros(s, bool))
             self.kv_caches, result = self._step(self.state, self.kv_caches, tokens, md, sampling)
             jax.block_until_ready(result)
             self.compiled_shapes.add((s, q))

@@ -25,6 +25,7 @@ class SamplingInputs:
     min_p: jax.Array  # float32
     seed: jax.Array  # uint32
     step: jax.Array  # int32, index of the token being sampled within its request
+    want_logprobs: jax.Array  # bool, the request asked for log-probabilities
 
 
 @jax.tree_util.register_dataclass
@@ -63,7 +64,17 @@ def sample(logits, p: SamplingInputs) -> SamplerOutput:
         return jnp.where(p.temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda: greedy)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def with_logprobs():
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logprobs, k)
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def without():
+        s = logits.shape[0]
+        return jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(p.want_logprobs), with_logprobs, without)
+    return SamplerOutput(tokens, chosen, top_ids, top_lp)

@@ -9,7 +9,7 @@ def inputs(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=
     f = lambda v: jnp.full((n,), v, jnp.float32)
     return SamplingInputs(f(temperature), jnp.full((n,), top_k, jnp.int32), f(top_p), f(min_p),
                           jnp.asarray(seeds if seeds is not None else range(n), jnp.uint32),
-                          jnp.asarray(steps if steps is not None else [0] * n, jnp.int32))
+                          jnp.asarray(steps if steps is not None else [0] * n, jnp.int32), jnp.ones((n,), bool))
 
 
 def logits(n, v=50, seed=0):
