@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_attention
 from pallas_kernels.paged_attention.reference import paged_attention_chunked, write_kv
 
 
@@ -56,6 +57,42 @@ class PagedKVCache:
         return (k_pages, v_pages), out
 
 
+class DenseKVCache:
+    """Dense layout: per layer k, v of shape [Hkv, num_slots, max_model_len, D].
+
+    Each admitted request owns one slot of max_model_len rows for its whole life. This is the
+    paged layout with one block of max_model_len tokens per request, so the engine drives it
+    through the same block pool and metadata: `block_size` is max_model_len, a request's
+    block table is [its slot], and slot_mapping = slot * max_model_len + position. Attention
+    walks each slot in contiguous chunks up to the longest live sequence (`dense_attention`).
+    """
+
+    def __init__(self, num_slots: int, max_model_len: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.chunk_tokens = chunk_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_slots
+
+    @property
+    def block_size(self) -> int:
+        return self.max_model_len
+
+    def layer_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, self.num_slots, self.max_model_len, head_dim)
+
+    def update_and_attend(self, layer_kv: LayerKV, q, k, v, md: AttentionMetadata, *, scale):
+        """q [S,Q,H,D], k/v [S,Q,Hkv,D] -> (new layer_kv, out [S,Q,H,D])."""
+        s, nq, hkv, d = k.shape
+        k_cache, v_cache = write_kv(layer_kv[0], layer_kv[1], k.reshape(s * nq, hkv, d),
+                                    v.reshape(s * nq, hkv, d), md.slot_mapping.reshape(-1))
+        out = dense_attention(q, k_cache, v_cache, md.block_tables[:, 0], md.kv_lens, md.q_lens, scale=scale,
+                              chunk_tokens=self.chunk_tokens)
+        return (k_cache, v_cache), out
+
+
 def _paged_attention(q, k_pages, v_pages, md, scale, impl):
     try:  # the validating wrapper with Pallas backends, when present
         from pallas_kernels.paged_attention.ops import paged_attention
@@ -69,3 +106,14 @@ def init_kv_caches(cache, num_layers: int, num_kv_heads: int, head_dim: int, dty
     shape = cache.layer_shape(num_kv_heads, head_dim)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(make(), make()) for _ in range(num_layers)]
+
+
+def copy_blocks(kv_caches: list[LayerKV], src: jax.Array, dst: jax.Array) -> list[LayerKV]:
+    """Copy-on-write: block src[i] -> dst[i] in every layer (both layouts are [Hkv, NB, BS, D]).
+
+    src, dst: [C] int32; entries with dst out of range (>= NB) are no-ops.
+    """
+    def copy(x):
+        return x.at[:, dst].set(x[:, jnp.minimum(src, x.shape[1] - 1)], mode="drop")
+
+    return [(copy(k), copy(v)) for k, v in kv_caches]

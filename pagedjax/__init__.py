@@ -1,4 +1,5 @@
 """pagedjax: a JAX/Pallas LLM inference engine with a paged KV cache."""
+from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -15,4 +16,5 @@ def __getattr__(name):  # import the engine (and JAX) only when asked for
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
+           "BeamSearchOutput"]

@@ -26,6 +26,7 @@ class BlockPool:
         self._hash_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, token ids)
         self._block_of: dict[int, int] = {}  # hash -> block
         self.num_evictions = 0
+        self.num_cow_copies = 0
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -67,6 +68,18 @@ class BlockPool:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+
+    def copy_on_write(self, block: int) -> int:
+        """Makes a held block safe to write: returns it unchanged if this is its only holder,
+        else a fresh block (the caller copies the contents) and drops one reference of the old."""
+        if self.ref_counts[block] <= 0:
+            raise RuntimeError(f"block {block} is not held; cannot write it")
+        if self.ref_counts[block] == 1:
+            return block
+        (new,) = self.allocate(1)
+        self.free([block])
+        self.num_cow_copies += 1
+        return new
 
     # -- prefix cache ---------------------------------------------------------------------
     def cache_block(self, block: int, block_hash: int, token_ids: tuple[int, ...]) -> None:

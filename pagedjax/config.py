@@ -12,12 +12,12 @@ ACCELERATOR_KV_FRACTION = 0.8  # of the device memory left after weights
 class EngineConfig:
     model: str | None = None  # None: the embedded default model
     block_size: int = 16
-    num_blocks: int | None = None  # None: from the KV memory budget
+    num_blocks: int | None = None  # None: from the KV memory budget; dense: the number of slots
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_batched_tokens: int | None = None  # None: 2048 (padded tokens in one prefill step)
     enable_prefix_caching: bool = True
-    kv_cache: str = "paged"
+    kv_cache: str = "paged"  # "dense": one max_model_len slot per request, block_size unused
     dtype: str = "auto"
     seed: int = 0
     kv_cache_memory_gb: float | None = None
@@ -51,8 +51,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048
 
-    def default_num_blocks(self, bytes_per_block: int, weight_bytes: int) -> int:
-        """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests need."""
+    def default_num_blocks(self, bytes_per_block: int, weight_bytes: int, block_size: int | None = None) -> int:
+        """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests need.
+
+        block_size defaults to self.block_size; the dense backend passes max_model_len (a block
+        is one request's slot), so the same budget gives its number of slots.
+        """
         import jax
 
         if self.kv_cache_memory_gb is not None:
@@ -63,5 +67,5 @@ class EngineConfig:
             stats = jax.devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0) - weight_bytes
             budget = int(max(free, 0) * ACCELERATOR_KV_FRACTION)
-        per_seq = -(-self.max_model_len // self.block_size)
+        per_seq = -(-self.max_model_len // (block_size or self.block_size))
         return max(1, min(budget // bytes_per_block, self.max_num_seqs * per_seq))

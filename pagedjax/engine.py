@@ -5,17 +5,19 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from models.kv_cache import PagedKVCache
+from models.kv_cache import DenseKVCache, PagedKVCache
 from models.loader import load_model
 from pagedjax import compile_counter
+from pagedjax.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from pagedjax.block_pool import BlockPool
 from pagedjax.buckets import Buckets
 from pagedjax.config import EngineConfig
 from pagedjax.detokenizer import IncrementalDetokenizer
+from pagedjax.memory import KVMemory, kv_memory
 from pagedjax.model_runner import ModelRunner
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.request import Request
@@ -61,18 +63,29 @@ class LLMEngine:
         self.stream_text = stream_text
         mc = self.model_config
         kv_dtype = self.model.embed[...].dtype
-        bytes_per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * cfg.block_size * kv_dtype.itemsize
+        self.kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_dtype.itemsize
+        # dense: a block is one request's whole max_model_len slot, taken at admission, no sharing
+        dense = cfg.kv_cache == "dense"
+        block_size = cfg.max_model_len if dense else cfg.block_size
         weight_bytes = sum(x.nbytes for x in _leaves(self.model))
         if cfg.num_blocks is None:
-            cfg.num_blocks = cfg.default_num_blocks(bytes_per_block, weight_bytes)
-        self.buckets = Buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
-        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+            cfg.num_blocks = cfg.default_num_blocks(self.kv_bytes_per_token * block_size, weight_bytes, block_size)
+        self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None
+                                 else int(cfg.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_token)
+        max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
+        self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.pool = BlockPool(cfg.num_blocks, block_size, cfg.enable_prefix_caching and not dense)
         self.scheduler = Scheduler(self.pool, self.buckets, cfg.max_model_len)
-        cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl)
-        max_blocks = -(-cfg.max_model_len // cfg.block_size)
+        if dense:
+            cache = DenseKVCache(cfg.num_blocks, cfg.max_model_len)
+        else:
+            cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl)
+        max_blocks = -(-cfg.max_model_len // block_size)
         self.runner = ModelRunner(self.model, self.buckets, cache, max_blocks, kv_dtype)
         self.eos_token_ids = tuple(mc.eos_token_ids) or _tokenizer_eos(self.tokenizer)
         self._groups: dict[str, _Group] = {}
+        self._beam_groups: dict[str, BeamGroup] = {}
+        self.finished_beam_searches: dict[str, BeamSearchOutput] = {}
         self._seq_of: dict[str, _Sequence] = {}
         self._group_of: dict[str, _Group] = {}
         self._seed_rng = np.random.default_rng(cfg.seed)
@@ -81,14 +94,41 @@ class LLMEngine:
         self.num_computed_prompt_tokens = 0
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queues a request; raises ValueError with the reason if it can never run."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queues a request; raises ValueError with the reason if it can never run.
+
+        With n > 1 the prompt is computed once and the n sequences fork from it, sharing its
+        blocks. `cache_salt` keeps this request's prefix-cache entries apart from others'."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self.tokenizer is None and (isinstance(prompt, str) or params.stop_strings):
-            raise ValueError(f"{self.model_name} has no tokenizer: give token-id prompts and no stop strings")
+        if self.tokenizer is None and params.stop_strings:
+            raise ValueError(f"{self.model_name} has no tokenizer: stop strings cannot be matched")
+        text, ids = self._tokenize(prompt)
+        group = _Group(request_id, text, ids, params)
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
+        reqs = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            reqs.append(Request(rid, list(ids), params, base_seed + i, self.eos_token_ids))
+        reqs[0].pending_forks, reqs[0].reserved_seats, reqs[0].cache_salt = reqs[1:], len(reqs) - 1, cache_salt
+        for child in reqs[1:]:
+            child.cache_salt = cache_salt
+        self.scheduler.add(reqs[0])
+        for i, req in enumerate(reqs):
+            incremental = self.tokenizer is not None and (self.stream_text or bool(params.stop_strings))
+            seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None)
+            group.seqs.append(seq)
+            self._seq_of[req.request_id] = seq
+            self._group_of[req.request_id] = group
+        self._groups[request_id] = group
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids), with clear errors for what cannot run."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_name} has no tokenizer: give token-id prompts")
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             text, ids = None, [int(t) for t in prompt]
@@ -98,24 +138,13 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        group = _Group(request_id, text, ids, params)
-        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
-        reqs = []
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            reqs.append(Request(rid, list(ids), params, base_seed + i, self.eos_token_ids))
-        for req in reqs:  # identical prompts and limits: if the first is accepted, all are
-            self.scheduler.add(req)
-        for i, req in enumerate(reqs):
-            incremental = self.tokenizer is not None and (self.stream_text or bool(params.stop_strings))
-            seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None)
-            group.seqs.append(seq)
-            self._seq_of[req.request_id] = seq
-            self._group_of[req.request_id] = group
-        self._groups[request_id] = group
+        return text, ids
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request at once and returns its blocks; unknown ids are ignored."""
+        beam_group = self._beam_groups.pop(request_id, None)
+        if beam_group is not None:
+            beam_group._release(self.scheduler)
         group = self._groups.pop(request_id, None)
         if group is None:
             return
@@ -138,22 +167,32 @@ class LLMEngine:
             self.num_computed_prompt_tokens += sum(out.q_lens)
         produced = self.scheduler.update(out, result.tokens[:len(out.requests)].tolist())
         touched: dict[str, _Group] = {}
+        beams_touched: dict[int, BeamGroup] = {}
         now = time.monotonic()
-        for req, token in produced:
-            seq = self._seq_of[req.request_id]
-            i = out.requests.index(req) if req.params.logprobs is not None else -1
-            if i >= 0:
+        for req, row, token in produced:
+            if req.params.logprobs is not None:
                 k = req.params.logprobs
-                entry = {int(t): float(lp) for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k])}
-                entry[token] = float(result.logprobs[i])
+                entry = {int(t): float(lp) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])}
+                entry[token] = float(result.logprobs[row])
                 req.output_logprobs.append(entry)
+            if req.beam_group is not None:
+                beams_touched[id(req.beam_group)] = req.beam_group
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
             self.num_generated_tokens += 1
             self.scheduler.check_stop(req, token)
+            seq = self._seq_of[req.request_id]
             if seq.detok is not None:
                 self._append_text(seq, token)
             touched[req.request_id] = self._group_of[req.request_id]
+        for bg in beams_touched.values():
+            if bg.ready():
+                bg.advance(self.scheduler)
+                self.num_generated_tokens += len(bg.beams)
+                if bg.done:
+                    self._beam_groups.pop(bg.request_id, None)
+                    self.finished_beam_searches[bg.request_id] = bg.output(self.tokenizer)
         outputs = [self._output(g) for g in {id(g): g for g in touched.values()}.values()]
         for g in touched.values():
             if g.finished and g.request_id in self._groups:
@@ -161,6 +200,15 @@ class LLMEngine:
                 for seq in g.seqs:
                     self._forget(seq)
         return outputs
+
+    def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
+        """Queues a beam search; its result lands in `finished_beam_searches[request_id]`."""
+        if request_id in self._groups or request_id in self._beam_groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        _, ids = self._tokenize(prompt)
+        group = BeamGroup(request_id, ids, params, self.eos_token_ids)
+        self.scheduler.add(group.root)
+        self._beam_groups[request_id] = group
 
     def _append_text(self, seq: _Sequence, token: int) -> None:
         """Adds the token's text; a stop string ends the sequence and is cut from the text."""
@@ -213,6 +261,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         s = self.scheduler
+        mem = self.kv_memory()
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
@@ -223,12 +272,22 @@ class LLMEngine:
             "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "num_preemptions": s.num_preemptions,
+            "num_forks": s.num_forks,
+            "num_cow_copies": self.pool.num_cow_copies,
             "num_compilations": compile_counter.num_compilations(),
             "num_compiled_shapes": len(self.runner.compiled_shapes),
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "num_computed_prompt_tokens": self.num_computed_prompt_tokens,
+            "kv_cache": self.config.kv_cache,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},
+            "kv_utilization": mem.utilization,
         }
+
+    def kv_memory(self) -> KVMemory:
+        """KV memory accounting from the block pool's state now (see pagedjax.memory)."""
+        return kv_memory(self.pool, self.scheduler.running, self.max_model_len, self.kv_budget_tokens)
 
 
 def _leaves(model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
@@ -77,6 +78,32 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in ids]
+
+    def beam_search(self, prompts, beam_width: int | None = None, max_tokens: int = 64, *,
+                    params: BeamSearchParams | None = None, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (beams share KV blocks, copy-on-write); outputs in
+        prompt order, each with up to beam_width finished sequences, best first."""
+        from tqdm import tqdm
+
+        prompts = _as_prompt_list(prompts)
+        params = params or BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens)
+        if self._warmup_pending:
+            self.engine.warmup(progress=use_tqdm)
+            self._warmup_pending = False
+        ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt in zip(ids, prompts):
+                self.engine.add_beam_search(rid, prompt, params)
+            with tqdm(total=len(ids), desc="beam search", unit="req", disable=not use_tqdm) as bar:
+                while any(rid not in self.engine.finished_beam_searches for rid in ids):
+                    self.engine.step()
+                    bar.n = sum(rid in self.engine.finished_beam_searches for rid in ids)
+                    bar.refresh()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [self.engine.finished_beam_searches.pop(rid) for rid in ids]
 
     def stats(self) -> dict:
         return self.engine.stats()

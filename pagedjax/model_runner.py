@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.kv_cache import AttentionMetadata, init_kv_caches
+from models.kv_cache import AttentionMetadata, copy_blocks, init_kv_caches
 from pagedjax.buckets import Buckets
 from pagedjax.sampler import SamplingInputs, sample
 from pagedjax.scheduler import SchedulerOutput
@@ -31,7 +31,8 @@ class ModelRunner:
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self.compiled_shapes: set[tuple[int, int]] = set()
 
-    def _forward(self, state, kv_caches, tokens, md: AttentionMetadata, sampling: SamplingInputs):
+    def _forward(self, state, kv_caches, tokens, md: AttentionMetadata, sampling: SamplingInputs, copies):
+        kv_caches = copy_blocks(kv_caches, *copies)  # copy-on-write before anything is written
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(tokens, md, kv_caches, self.cache)  # [S, Q, E]
         last = jnp.maximum(md.q_lens - 1, 0)
@@ -61,12 +62,13 @@ class ModelRunner:
             if ql == 1:
                 tokens[i, 0] = req.token_at(start)
                 positions[i, 0] = start
-                slots[i, 0] = blocks[start // bs] * bs + start % bs
+                if start >= req.num_shared_kv_tokens:  # a fork's inherited KV is not written again
+                    slots[i, 0] = blocks[start // bs] * bs + start % bs
             else:
                 pos = np.arange(start, start + ql, dtype=np.int32)
                 tokens[i, :ql] = req.all_token_ids[start:start + ql]
                 positions[i, :ql] = pos
-                slots[i, :ql] = tables[i, pos // bs] * bs + pos % bs
+                slots[i, :ql] = np.where(pos >= req.num_shared_kv_tokens, tables[i, pos // bs] * bs + pos % bs, -1)
             kv_lens[i], q_lens[i] = start + ql, ql
             p = req.params
             temperature[i], top_p[i], min_p[i], top_k[i] = p.temperature, p.top_p, p.min_p, p.top_k
@@ -74,13 +76,21 @@ class ModelRunner:
             want_logprobs[i] = p.logprobs is not None
         md = AttentionMetadata(positions, slots, tables, kv_lens, q_lens)
         sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, step, want_logprobs)
-        return tokens, md, sampling
+        return tokens, md, sampling, self._copy_arrays(out.copies, s)
+
+    def _copy_arrays(self, copies: list[tuple[int, int]], s: int):
+        """Copy-on-write pairs as two [S] int32 arrays; padding entries point past the pool (no-op)."""
+        src = np.zeros(s, np.int32)
+        dst = np.full(s, self.cache.num_blocks, np.int32)
+        if copies:
+            src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        return src, dst
 
     def execute(self, out: SchedulerOutput) -> dict[str, np.ndarray]:
         """Runs one step; returns the sampler output as numpy (one device->host transfer)."""
-        tokens, md, sampling = self.prepare(out)
+        tokens, md, sampling, copies = self.prepare(out)
         self.compiled_shapes.add(tokens.shape)
-        self.kv_caches, result = self._step(self.state, self.kv_caches, tokens, md, sampling)
+        self.kv_caches, result = self._step(self.state, self.kv_caches, tokens, md, sampling, copies)
         return jax.device_get(result)
 
     def warmup(self, shapes, progress: bool = True) -> None:
@@ -97,7 +107,8 @@ class ModelRunner:
             z = np.zeros(s, np.float32)
             sampling = SamplingInputs(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32),
                                       np.zeros(s, bool))
-            self.kv_caches, result = self._step(self.state, self.kv_caches, tokens, md, sampling)
+            self.kv_caches, result = self._step(self.state, self.kv_caches, tokens, md, sampling,
+                                                self._copy_arrays([], s))
             jax.block_until_ready(result)
             self.compiled_shapes.add((s, q))
 

@@ -31,6 +31,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of this sequence's full blocks
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_shared_kv_tokens: int = 0  # positions below this already hold KV (a fork's inherited prompt)
+    pending_forks: list["Request"] = field(default_factory=list)  # n > 1: siblings forked after prefill
+    reserved_seats: int = 0  # running slots held for sequences this request will fork later
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    beam_group: object = None  # the BeamGroup this request is a beam of, if any
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -8,7 +8,7 @@ finishes requests and returns their blocks to the pool at once.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedjax.block_pool import BlockPool, hash_block
 from pagedjax.buckets import Buckets
@@ -23,6 +23,7 @@ class SchedulerOutput:
     requests: list[Request]
     starts: list[int]
     q_lens: list[int]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,6 +41,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.num_forks = 0
+        self._copies: list[tuple[int, int]] = []  # copy-on-write copies for the step being built
 
     # -- queue management -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -51,6 +54,9 @@ class Scheduler:
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs up to {need} KV blocks but the pool has only {self.pool.num_blocks}; "
                              f"raise num_blocks or lower max_tokens")
+        if 1 + req.reserved_seats > self.buckets.max_num_seqs:
+            raise ValueError(f"request needs {1 + req.reserved_seats} sequences at once (n or beam width) "
+                             f"but max_num_seqs is {self.buckets.max_num_seqs}")
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -60,9 +66,12 @@ class Scheduler:
         """Ends a request now (stop, length or abort) and returns its blocks to the pool."""
         if req.is_finished:
             return
+        for child in req.pending_forks:  # never started: they end with their parent
+            child.status, child.finish_reason = RequestStatus.FINISHED, reason
+        req.pending_forks = []
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req in self.waiting:
             self.waiting.remove(req)
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
@@ -71,9 +80,12 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
+        self._copies = []
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
+        if out is not None:
+            out.copies = self._copies
         return out
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
@@ -82,11 +94,13 @@ class Scheduler:
         partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in partial:
             q = min(req.num_tokens - req.num_computed_tokens, max_q_chunk)
-            if not self._fits(len(reqs) + 1, max(q_lens + [q])) or not self._grow(req, req.num_computed_tokens + q):
+            if not self._fits(len(reqs) + 1, max(q_lens + [q])) or not self._grow(req, req.num_computed_tokens, q):
                 break
             reqs.append(req), starts.append(req.num_computed_tokens), q_lens.append(q)
-        while self.waiting and len(self.running) < self.buckets.max_num_seqs:
+        while self.waiting:
             req = self.waiting[0]
+            if self.num_seats_taken() + 1 + req.reserved_seats > self.buckets.max_num_seqs:
+                break  # room for the request and the sequences it will fork
             hits = self._match_prefix(req)
             start = len(hits) * self.block_size
             q = min(req.num_tokens - start, max_q_chunk)
@@ -100,6 +114,7 @@ class Scheduler:
             req.block_ids = hits + self.pool.allocate(need)
             req.block_hashes = req.block_hashes[:len(hits)]
             req.num_computed_tokens = start
+            req.num_shared_kv_tokens = 0
             if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
                 req.num_cached_tokens = start
                 self.prefix_cache_query_tokens += req.num_prompt_tokens
@@ -114,7 +129,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if self._grow(req, req.num_tokens):
+            if self._grow(req, req.num_computed_tokens, 1):
                 i += 1
                 continue
             victim = self.running[-1]  # newest running request gives way
@@ -124,18 +139,45 @@ class Scheduler:
         reqs = list(self.running)
         return SchedulerOutput(False, reqs, [r.num_computed_tokens for r in reqs], [1] * len(reqs))
 
+    def num_seats_taken(self) -> int:
+        """Running sequences plus the seats they hold for sequences they will fork."""
+        return len(self.running) + sum(r.reserved_seats for r in self.running)
+
     def _fits(self, num_seqs: int, max_q: int) -> bool:
         return self.buckets.prefill_fits(num_seqs, max_q)
 
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Makes req's blocks cover num_tokens tokens; False if the pool is short."""
-        need = cdiv(num_tokens, self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free:
+    def _grow(self, req: Request, start: int, q: int) -> bool:
+        """Readies req's blocks for writing positions [start, start + q): allocates the blocks
+        they need and copies a shared block about to be written (copy-on-write, only that
+        block). False, with nothing changed, if the pool is short."""
+        need = cdiv(start + q, self.block_size) - len(req.block_ids)
+        write_start = max(start, req.num_shared_kv_tokens)  # KV below it is already there
+        first = write_start // self.block_size  # the only block written here that may be shared
+        cow = (write_start < start + q and first < len(req.block_ids)
+               and self.pool.ref_counts[req.block_ids[first]] > 1)
+        if max(need, 0) + cow > self.pool.num_free:
             return False
-        req.block_ids += self.pool.allocate(need)
+        if cow:
+            src = req.block_ids[first]
+            req.block_ids[first] = self.pool.copy_on_write(src)
+            self._copies.append((src, req.block_ids[first]))
+        if need > 0:
+            req.block_ids += self.pool.allocate(need)
         return True
+
+    def fork(self, parent: Request, child: Request, shared_kv_tokens: int | None = None) -> None:
+        """Starts `child` as a copy of `parent` that shares all its blocks (reference counts
+        up); whichever writes a shared block first copies it then."""
+        for b in parent.block_ids:
+            self.pool.take(b)
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_shared_kv_tokens = parent.num_computed_tokens if shared_kv_tokens is None else shared_kv_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self.num_forks += 1
 
     def _preempt(self, req: Request) -> None:
         """Frees a running request's blocks; it is recomputed later (its prefix may be cached)."""
@@ -143,6 +185,7 @@ class Scheduler:
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
         req.num_computed_tokens = 0
+        req.num_shared_kv_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -154,7 +197,7 @@ class Scheduler:
         hits, parent = [], None
         for i in range((req.num_tokens - 1) // self.block_size):
             tokens = tuple(req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = req.block_hashes[i] if i < len(req.block_hashes) else hash_block(parent, tokens)
+            h = req.block_hashes[i] if i < len(req.block_hashes) else hash_block(parent, tokens, req.cache_salt if i == 0 else None)
             block = self.pool.lookup(h, tokens)
             if block is None:
                 break
@@ -165,18 +208,28 @@ class Scheduler:
         return hits
 
     # -- after the step -------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int]]:
-        """Advances counters; returns (request, new token) for requests that completed their
-        pending tokens this step (partial prefill chunks produce no token)."""
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
+        """Advances counters; returns (request, batch row, new token) for requests that
+        completed their pending tokens this step (partial prefill chunks produce no token)."""
         produced = []
-        for req, q, token in zip(out.requests, out.q_lens, sampled):
+        for row, (req, q, token) in enumerate(zip(out.requests, out.q_lens, sampled)):
             req.num_computed_tokens += q
             self._cache_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue
+            if req.pending_forks:  # n > 1: the prompt is computed; siblings share its blocks
+                self._fork_siblings(req)
             req.output_token_ids.append(token)
-            produced.append((req, token))
+            produced.append((req, row, token))
         return produced
+
+    def _fork_siblings(self, parent: Request) -> None:
+        """Each sibling re-runs only the last prompt position (its KV already present, not
+        written again) to sample its own first token from its own seed."""
+        for child in parent.pending_forks:
+            self.fork(parent, child, shared_kv_tokens=parent.num_computed_tokens)
+            child.num_computed_tokens -= 1
+        parent.pending_forks, parent.reserved_seats = [], 0
 
     def _cache_full_blocks(self, req: Request) -> None:
         if not self.pool.enable_prefix_caching:
@@ -186,7 +239,7 @@ class Scheduler:
         for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
             tokens = tokens or req.all_token_ids
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash_block(req.block_hashes[-1] if req.block_hashes else None, chunk)
+            h = hash_block(req.block_hashes[-1] if req.block_hashes else None, chunk, None if i else req.cache_salt)
             req.block_hashes.append(h)
             self.pool.cache_block(req.block_ids[i], h, chunk)
 

@@ -20,7 +20,7 @@ def req(rid, n, max_tokens=8, start=100):
 def run_step(s, token=7):
     out = s.schedule()
     produced = s.update(out, [token] * len(out.requests))
-    for r, t in produced:
+    for r, _, t in produced:
         s.check_stop(r, t)
     return out
 

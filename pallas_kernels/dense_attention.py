@@ -1,0 +1,69 @@
+"""Dense (contiguous per-slot) KV cache attention: the XLA path of the dense cache backend.
+
+Layout:
+  q          [S, Q, H, D]      queries of S sequences, Q query slots each (Q = 1 for decode)
+  k_cache    [Hkv, NS, L, D]   NS slots of L = max_model_len token rows each, one array per layer
+  v_cache    [Hkv, NS, L, D]
+  slots      [S] int32         the cache slot sequence s owns (its tokens sit at rows 0..kv_len-1)
+  kv_lens    [S] int32         tokens of sequence s in its slot (this step's new ones included)
+  q_lens     [S] int32         valid query slots of sequence s (<= Q)
+
+This is the paged layout with one block of L tokens per sequence: the result equals
+`paged_attention_reference` with `block_tables = slots[:, None]` (same masking, GQA folding,
+float32 softmax, zeros for padding rows and query slots). Writes use `write_kv` with
+slot_mapping = slot * L + position.
+
+The slot is walked in contiguous chunks of `chunk_tokens` rows (a dynamic slice per sequence)
+with an online softmax; the loop's trip count is cdiv(max(kv_lens), chunk_tokens), so a step
+pays for the longest live sequence, not for all L reserved rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention.reference import (NEG_INF, _fold_gqa, _unfold_gqa,
+                                                      online_softmax_update, query_positions)
+
+DEFAULT_CHUNK_TOKENS = 128
+
+
+def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    """Causal attention of q over each sequence's slot rows [0, kv_len); see the module doc."""
+    s, nq, h, d = q.shape
+    hkv, _, max_len, _ = k_cache.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache shapes differ: {k_cache.shape} vs {v_cache.shape}")
+    if h % hkv or k_cache.shape[-1] != d:
+        raise ValueError(f"q {q.shape} does not fit a cache of shape {k_cache.shape}")
+    c = min(chunk_tokens, max_len)
+    g = h // hkv
+    qg = _fold_gqa(q, hkv).astype(jnp.float32) * scale  # [S, Hkv, G, Q, D]
+    qpos = query_positions(kv_lens, q_lens, nq)  # [S, Q]
+    q_valid = jnp.arange(nq)[None, :] < q_lens[:, None]  # [S, Q]
+    num_chunks = (jnp.max(kv_lens) + c - 1) // c
+
+    def rows(cache, start):
+        """Rows [start, start + c) of every sequence's slot: [S, Hkv, C, D] float32."""
+        take = lambda slot: jax.lax.dynamic_slice(cache, (0, slot, start, 0), (hkv, 1, c, d))[:, 0]
+        return jax.vmap(take)(slots).astype(jnp.float32)
+
+    def body(i, carry):
+        # when c does not divide L the last chunk is shifted back to stay inside the slot;
+        # rows it shares with the chunk before are masked out so none counts twice
+        start = jnp.minimum(i * c, max_len - c)
+        k, v = rows(k_cache, start), rows(v_cache, start)
+        scores = jnp.einsum("skgqd,sktd->skgqt", qg, k)
+        t = start + jnp.arange(c, dtype=jnp.int32)
+        valid = (t[None, None, :] >= i * c) & (t[None, None, :] <= qpos[:, :, None])
+        valid &= (t[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [S, Q, C]
+        scores = jnp.where(valid[:, None, None], scores, NEG_INF)
+        return online_softmax_update(*carry, scores, v[:, :, None])  # values [S, Hkv, 1, C, D]
+
+    m0 = jnp.full((s, hkv, g, nq), NEG_INF, jnp.float32)
+    l0 = jnp.zeros((s, hkv, g, nq), jnp.float32)
+    acc0 = jnp.zeros((s, hkv, g, nq, d), jnp.float32)
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return _unfold_gqa(out).astype(q.dtype)
