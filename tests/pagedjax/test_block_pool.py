@@ -38,6 +38,19 @@ def test_cached_blocks_count_as_free_and_are_evicted_lru():
     pool.check_invariants()
 
 
+def test_copy_on_write_copies_only_shared_blocks():
+    pool = BlockPool(4, 2)
+    (a,) = pool.allocate(1)
+    assert pool.copy_on_write(a) == a and pool.num_cow_copies == 0
+    pool.take(a)  # a fork
+    b = pool.copy_on_write(a)
+    assert b != a and pool.ref_counts[a] == 1 and pool.ref_counts[b] == 1 and pool.num_cow_copies == 1
+    pool.free([a, b])
+    with pytest.raises(RuntimeError, match="not held"):
+        pool.copy_on_write(a)
+    pool.check_invariants()
+
+
 def test_prefix_caching_off_caches_nothing():
     pool = BlockPool(2, 2, enable_prefix_caching=False)
     (b,) = pool.allocate(1)
@@ -46,7 +59,7 @@ def test_prefix_caching_off_caches_nothing():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "take", "cache", "lookup"]),
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "fork", "write", "cache", "lookup"]),
                           st.integers(0, 10 ** 6)), max_size=80))
 def test_random_interleavings_keep_invariants(ops):
     pool = BlockPool(8, 4)
@@ -61,11 +74,22 @@ def test_random_interleavings_keep_invariants(ops):
                     pool.allocate(n)
         elif op == "free" and held:
             pool.free(held.pop(x % len(held))[::-1])
-        elif op == "take" and held:
+        elif op == "fork" and held:  # a new sequence shares all of another's blocks
             owner = held[x % len(held)]
-            b = owner[x % len(owner)]
-            pool.take(b)
-            held.append([b])
+            for b in owner:
+                pool.take(b)
+            held.append(list(owner))
+        elif op == "write" and held:  # copy-on-write before writing one block
+            owner = held[x % len(held)]
+            i = x % len(owner)
+            shared = pool.ref_counts[owner[i]] > 1
+            if shared and pool.num_free == 0:
+                with pytest.raises(MemoryError):
+                    pool.copy_on_write(owner[i])
+                continue
+            new = pool.copy_on_write(owner[i])
+            assert (new != owner[i]) == shared and pool.ref_counts[new] == 1
+            owner[i] = new
         elif op == "cache" and held:
             owner = held[x % len(held)]
             b = owner[x % len(owner)]
