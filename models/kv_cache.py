@@ -111,9 +111,18 @@ def init_kv_caches(cache, num_layers: int, num_kv_heads: int, head_dim: int, dty
 def copy_blocks(kv_caches: list[LayerKV], src: jax.Array, dst: jax.Array) -> list[LayerKV]:
     """Copy-on-write: block src[i] -> dst[i] in every layer (both layouts are [Hkv, NB, BS, D]).
 
-    src, dst: [C] int32; entries with dst out of range (>= NB) are no-ops.
+    src, dst: [C] int32; the real copies come first, then padding entries with dst out of
+    range (>= NB). A loop over the real copies only, each an in-place slice update: a step
+    with no copies costs nothing (gathering all C entries every step cost ~200 ms per step
+    for dense slots of 2048 rows on CPU).
     """
-    def copy(x):
-        return x.at[:, dst].set(x[:, jnp.minimum(src, x.shape[1] - 1)], mode="drop")
+    num_blocks = kv_caches[0][0].shape[1]
 
-    return [(copy(k), copy(v)) for k, v in kv_caches]
+    def body(i, caches):
+        def copy(x):
+            block = jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(x, block, dst[i], axis=1)
+
+        return [(copy(k), copy(v)) for k, v in caches]
+
+    return jax.lax.fori_loop(0, jnp.sum(dst < num_blocks), body, kv_caches)
