@@ -23,18 +23,21 @@ def rms_norm(x, weight, eps):
 
 
 def rope_cos_sin(positions, inv_freq):
-    """positions [S,Q] -> cos, sin [S,Q,D] (HF's non-interleaved layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [S, Q, D/2]
+    """positions [T] -> cos, sin [T, D] (HF's non-interleaved layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x, cos, sin):
-    """x [S,Q,N,D]; cos/sin [S,Q,D]."""
+    """x [T, N, D]; cos/sin [T, D]."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     x32 = x.astype(jnp.float32)
-    return (x32 * cos[:, :, None] + rotated.astype(jnp.float32) * sin[:, :, None]).astype(x.dtype)
+    return (x32 * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]).astype(x.dtype)
+
+
+Segment = tuple[jax.Array, AttentionMetadata]  # (tokens [S, Q], metadata): one padded grid of a step
 
 
 def _param(arrays: dict, name: str, dtype):
@@ -50,23 +53,28 @@ class Attention(nnx.Module):
         for name in ("bqkv", "bo", "q_norm", "k_norm"):
             setattr(self, name, _param(arrays, name, dtype) if name in arrays else None)
 
-    def __call__(self, x, cos, sin, layer_kv: LayerKV, md: AttentionMetadata, cache):
-        """x [S,Q,E] -> (new layer_kv, out [S,Q,E])."""
-        s, nq, _ = x.shape
-
+    def __call__(self, x, cos, sin, layer_kv: LayerKV, segments: list[tuple[int, int, AttentionMetadata]], cache):
+        """x [T,E] (the segments' tokens, flattened and concatenated) -> (new layer_kv, out [T,E])."""
+        t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x @ self.wqkv[...]
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...]
-        q = qkv[..., :h * d].reshape(s, nq, h, d)  # [S, Q, H, D]
-        k = qkv[..., h * d:(h + hkv) * d].reshape(s, nq, hkv, d)  # [S, Q, Hkv, D]
-        v = qkv[..., (h + hkv) * d:].reshape(s, nq, hkv, d)
+        q = qkv[:, :h * d].reshape(t, h, d)  # [T, H, D]
+        k = qkv[:, h * d:(h + hkv) * d].reshape(t, hkv, d)  # [T, Hkv, D]
+        v = qkv[:, (h + hkv) * d:].reshape(t, hkv, d)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        layer_kv, out = cache.update_and_attend(layer_kv, q, k, v, md, scale=self.head_dim ** -0.5)
-        out = out.reshape(s, nq, self.num_heads * self.head_dim) @ self.wo[...]
+        outs, off = [], 0
+        for s, nq, md in segments:  # attention per padded grid (decode rows, prompt chunks)
+            sl = slice(off, off + s * nq)
+            layer_kv, o = cache.update_and_attend(layer_kv, q[sl].reshape(s, nq, h, d), k[sl].reshape(s, nq, hkv, d),
+                                                  v[sl].reshape(s, nq, hkv, d), md, scale=d ** -0.5)
+            outs.append(o.reshape(s * nq, h * d))
+            off += s * nq
+        out = jnp.concatenate(outs) @ self.wo[...]
         if self.bo is not None:
             out = out + self.bo[...]
         return layer_kv, out
@@ -90,8 +98,8 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, arrays, dtype)
         self.mlp = MLP(arrays, dtype)
 
-    def __call__(self, x, cos, sin, layer_kv, md, cache):
-        layer_kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, layer_kv, md, cache)
+    def __call__(self, x, cos, sin, layer_kv, segments, cache):
+        layer_kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, layer_kv, segments, cache)
         x = x + h
         x = x + self.mlp(rms_norm(x, self.post_attention_norm[...], self.eps))
         return layer_kv, x
@@ -110,11 +118,21 @@ class CausalLM(nnx.Module):
 
     def __call__(self, tokens, md: AttentionMetadata, kv_caches: list[LayerKV], cache):
         """tokens [S,Q] -> (hidden [S,Q,E] after the final norm, new kv_caches)."""
-        x = self.embed[...][tokens]
-        cos, sin = rope_cos_sin(md.positions, self.inv_freq[...])
+        hidden, kv_caches = self.forward_segments([(tokens, md)], kv_caches, cache)
+        return hidden.reshape(*tokens.shape, -1), kv_caches
+
+    def forward_segments(self, segments: list[Segment], kv_caches: list[LayerKV], cache):
+        """Several padded grids in one pass (e.g. decode rows [Sd, 1] and prompt chunks [Sp, Q]):
+        matmuls run on all their tokens at once, attention per grid. Returns (hidden [T, E]
+        for the flattened, concatenated tokens after the final norm, new kv_caches)."""
+        tokens = jnp.concatenate([t.reshape(-1) for t, _ in segments])  # [T]
+        positions = jnp.concatenate([md.positions.reshape(-1) for _, md in segments])
+        shapes = [(t.shape[0], t.shape[1], md) for t, md in segments]
+        x = self.embed[...][tokens]  # [T, E]
+        cos, sin = rope_cos_sin(positions, self.inv_freq[...])
         new_caches = []
         for layer, layer_kv in zip(self.layers, kv_caches):
-            layer_kv, x = layer(x, cos, sin, layer_kv, md, cache)
+            layer_kv, x = layer(x, cos, sin, layer_kv, shapes, cache)
             new_caches.append(layer_kv)
         return rms_norm(x, self.norm[...], self.config.rms_norm_eps), new_caches
 

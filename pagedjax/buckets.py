@@ -1,8 +1,11 @@
 """The fixed, enumerable set of step shapes the jitted step is compiled for.
 
-A step is a padded [S, Q] grid of tokens: S sequences, Q query tokens each. Decode steps
-have Q = 1; prefill steps have Q from a power-of-two ladder. Everything the scheduler
-admits lands in one of these buckets, so after warm-up serving compiles nothing.
+A step is one or two padded grids of tokens, [S, Q]: S sequences, Q query tokens each.
+A decode-only step is one grid [Sd, 1] with Sd on a power-of-two ladder. A step with prompt
+work has a decode grid of max_num_seqs rows (idle rows cost little) plus a prompt grid
+[Sp, Qp] with Qp from a power-of-two ladder, so decodes and prompt chunks share the step.
+Everything the scheduler admits lands in one of these buckets, so after warm-up serving
+compiles nothing.
 """
 from __future__ import annotations
 
@@ -58,5 +61,12 @@ class Buckets:
                     shapes.append((s, q))
         return shapes
 
-    def all_shapes(self) -> list[tuple[int, int]]:
-        return self.decode_shapes() + self.prefill_shapes()
+    def step_shape(self, num_decode: int, num_prefill: int, max_q: int) -> tuple[tuple[int, int], ...]:
+        """The grids of a step: ((Sd, 1),) or ((max_num_seqs, 1), (Sp, Qp))."""
+        if not num_prefill:
+            return ((self.seq_bucket(num_decode), 1),)
+        return ((self.max_num_seqs, 1), (self.seq_bucket(num_prefill), self.q_bucket(max_q)))
+
+    def all_shapes(self) -> list[tuple[tuple[int, int], ...]]:
+        return ([(shape,) for shape in self.decode_shapes()]
+                + [((self.max_num_seqs, 1), shape) for shape in self.prefill_shapes()])

@@ -161,15 +161,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out is None:
             return []
-        result = self.runner.execute(out)
+        result, rows = self.runner.execute(out)
         self.num_steps += 1
-        if out.is_prefill:
-            self.num_computed_prompt_tokens += sum(out.q_lens)
-        produced = self.scheduler.update(out, result.tokens[:len(out.requests)].tolist())
+        self.num_computed_prompt_tokens += out.num_prefill_tokens
+        produced = self.scheduler.update(out, result.tokens[rows].tolist())
         touched: dict[str, _Group] = {}
         beams_touched: dict[int, BeamGroup] = {}
         now = time.monotonic()
-        for req, row, token in produced:
+        for req, i, token in produced:
+            row = rows[i]
             if req.params.logprobs is not None:
                 k = req.params.logprobs
                 entry = {int(t): float(lp) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])}

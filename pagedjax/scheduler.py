@@ -1,9 +1,10 @@
 """Continuous batching over the block pool (host side, no JAX).
 
-Each call to `schedule()` picks one step: a prefill step (prompt chunks of waiting or
-partly prefilled requests, prefix-cache hits skipped) when there is prompt work and room,
-else a decode step for every running request. `update()` folds the sampled tokens back in,
-finishes requests and returns their blocks to the pool at once.
+Each call to `schedule()` builds one step: first a decode row for every running request
+with one token to go (preempting the newest requests if the pool runs short), then, in the
+same step, prompt chunks of partly prefilled and waiting requests (prefix-cache hits
+skipped) within the token budget, so a long prompt never stalls the running requests.
+`update()` folds the sampled tokens back in; finished requests return their blocks at once.
 """
 from __future__ import annotations
 
@@ -17,13 +18,22 @@ from pagedjax.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's work: request i computes tokens [start_i, start_i + q_lens[i])."""
+    """One step's work: request i computes tokens [start_i, start_i + q_lens[i]). The first
+    `num_decode` requests are decode rows (one token each), the rest prompt chunks."""
 
-    is_prefill: bool
     requests: list[Request]
     starts: list[int]
     q_lens: list[int]
+    num_decode: int
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.num_decode < len(self.requests)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.q_lens[self.num_decode:])
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,14 +91,14 @@ class Scheduler:
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         self._copies = []
-        out = self._schedule_prefill()
-        if out is None and self.running:
-            out = self._schedule_decode()
-        if out is not None:
-            out.copies = self._copies
-        return out
+        decode = self._schedule_decode()
+        reqs, starts, q_lens = self._schedule_prefill()
+        if not decode and not reqs:
+            return None
+        return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
+                               [1] * len(decode) + q_lens, len(decode), self._copies)
 
-    def _schedule_prefill(self) -> SchedulerOutput | None:
+    def _schedule_prefill(self) -> tuple[list[Request], list[int], list[int]]:
         reqs, starts, q_lens = [], [], []
         max_q_chunk = self.buckets.max_prefill_q
         partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -123,21 +133,21 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             reqs.append(req), starts.append(start), q_lens.append(q)
-        return SchedulerOutput(True, reqs, starts, q_lens) if reqs else None
+        return reqs, starts, q_lens
 
-    def _schedule_decode(self) -> SchedulerOutput:
-        i = 0
+    def _schedule_decode(self) -> list[Request]:
+        """Running requests with exactly one token to go, their next slot ready."""
+        decode, i = [], 0
         while i < len(self.running):
             req = self.running[i]
-            if self._grow(req, req.num_computed_tokens, 1):
+            if req.num_tokens - req.num_computed_tokens != 1:
                 i += 1
-                continue
-            victim = self.running[-1]  # newest running request gives way
-            self._preempt(victim)
-            if victim is req:
-                continue
-        reqs = list(self.running)
-        return SchedulerOutput(False, reqs, [r.num_computed_tokens for r in reqs], [1] * len(reqs))
+            elif self._grow(req, req.num_computed_tokens, 1):
+                decode.append(req)
+                i += 1
+            else:  # the newest running request gives way (possibly req itself)
+                self._preempt(self.running[-1])
+        return decode
 
     def num_seats_taken(self) -> int:
         """Running sequences plus the seats they hold for sequences they will fork."""
@@ -209,10 +219,10 @@ class Scheduler:
 
     # -- after the step -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
-        """Advances counters; returns (request, batch row, new token) for requests that
-        completed their pending tokens this step (partial prefill chunks produce no token)."""
+        """Advances counters; returns (request, its index in out.requests, new token) for
+        requests that completed their pending tokens (partial prefill chunks produce none)."""
         produced = []
-        for row, (req, q, token) in enumerate(zip(out.requests, out.q_lens, sampled)):
+        for i, (req, q, token) in enumerate(zip(out.requests, out.q_lens, sampled)):
             req.num_computed_tokens += q
             self._cache_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
@@ -220,7 +230,7 @@ class Scheduler:
             if req.pending_forks:  # n > 1: the prompt is computed; siblings share its blocks
                 self._fork_siblings(req)
             req.output_token_ids.append(token)
-            produced.append((req, row, token))
+            produced.append((req, i, token))
         return produced
 
     def _fork_siblings(self, parent: Request) -> None:

@@ -39,10 +39,10 @@ def test_admits_up_to_max_num_seqs_and_decodes_all():
     for i in range(3):
         s.add(req(str(i), 5))
     out = run_step(s)
-    assert out.is_prefill and [r.request_id for r in out.requests] == ["0", "1"]
+    assert out.num_decode == 0 and [r.request_id for r in out.requests] == ["0", "1"]
     assert out.q_lens == [5, 5] and len(s.waiting) == 1
     out = run_step(s)
-    assert not out.is_prefill and out.q_lens == [1, 1]
+    assert not out.has_prefill and out.q_lens == [1, 1]
 
 
 def test_finished_request_returns_blocks_at_once():
@@ -91,8 +91,8 @@ def test_prefix_hits_skip_cached_full_blocks():
     c = req("c", 8, max_tokens=1)  # exactly two blocks: one token must still be computed
     s.update(out, [1])
     s.add(c)
-    out = s.schedule()
-    assert out.starts == [4] and out.q_lens == [4]
+    out = s.schedule()  # b (still running) decodes in the same step
+    assert out.num_decode == 1 and out.starts[1:] == [4] and out.q_lens[1:] == [4]
 
 
 def test_chunked_prefill_splits_long_prompts():
@@ -104,3 +104,19 @@ def test_chunked_prefill_splits_long_prompts():
         out = run_step(s)
         chunks.append(out.q_lens[0])
     assert chunks == [16, 16, 8]
+
+
+def test_prompt_chunks_share_the_step_with_running_decodes():
+    s = make(budget=16, max_model_len=64, num_blocks=32)
+    short = req("short", 3, max_tokens=20)
+    s.add(short)
+    run_step(s)
+    long = req("long", 40, start=300)
+    s.add(long)
+    steps = []
+    while not long.output_token_ids:
+        out = run_step(s)
+        steps.append((out.num_decode, out.q_lens))
+    # every step decodes the running request while the long prompt goes in 16-token chunks
+    assert steps == [(1, [1, 16]), (1, [1, 16]), (1, [1, 8])]
+    assert len(short.output_token_ids) == 4
