@@ -1,12 +1,13 @@
-"""One-shot device check for the Pallas GPU decode kernel (about 3-5 minutes).
+"""One-shot device check for the Pallas GPU decode and prefill kernels (about 4-7 minutes).
 
     PYTHONPATH=. python scripts/gpu_kernel_check.py             # on an NVIDIA GPU machine
     PYTHONPATH=. python scripts/gpu_kernel_check.py --allow-cpu  # dry run of the same steps
 
 1. prints the environment (jax, devices);
-2. runs the kernel tests compiled on the GPU (TestDecodeKernels, not the interpret copy),
-   plus the Triton lowering smoke test;
-3. runs scripts/bench_kernels.py (bf16, full configs) and writes results/bench_kernels.json.
+2. runs the kernel tests compiled on the GPU (TestDecodeKernels and TestPrefillKernels, not
+   the interpret copies), plus the Triton lowering smoke tests;
+3. runs scripts/bench_kernels.py (bf16, full configs) for decode and for prefill and writes
+   results/bench_kernels.json and results/bench_prefill.json.
 On a host without a GPU it stops at step 1 unless --allow-cpu, which runs the interpret-mode
 GPU tests and the quick CPU benchmark instead. Exit code: 0 when the tests pass.
 """
@@ -19,7 +20,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEST = "tests/pallas_kernels/test_paged_attention.py"
+TESTS = ["tests/pallas_kernels/test_paged_attention.py",
+         "tests/pallas_kernels/test_paged_prefill.py"]
 
 
 def run(cmd, timeout):
@@ -48,19 +50,21 @@ def main():
         return 2
     py = sys.executable
     if on_gpu:
-        tests = [py, "-m", "pytest", TEST, "-q", "-rs", "--durations=5",
+        tests = [py, "-m", "pytest", *TESTS, "-q", "-rs", "--durations=5",
                  "-p", "no:cacheprovider",
-                 "-k", "(TestDecodeKernels and not Interpret and not tpu)"
-                       " or test_lowers_for_device"]
+                 "-k", "((TestDecodeKernels or TestPrefillKernels) and not Interpret"
+                       " and not tpu) or (lowers_for_device and gpu)"]
         bench = [py, "scripts/bench_kernels.py", "--iters", "20"]
     else:
-        tests = [py, "-m", "pytest", TEST, "-q", "-p", "no:cacheprovider",
+        tests = [py, "-m", "pytest", *TESTS, "-q", "-p", "no:cacheprovider",
                  "-k", "Interpret and gpu and not splits"]
         bench = [py, "scripts/bench_kernels.py", "--quick", "--iters", "2"]
-    rc_tests = run(tests, timeout=180)
+    rc_tests = run(tests, timeout=240)
     rc_bench = run(bench, timeout=150)
-    print(f"\n[check] tests rc={rc_tests}, bench rc={rc_bench}")
-    return rc_tests or rc_bench
+    rc_prefill = run(bench + ["--prefill"], timeout=150)
+    print(f"\n[check] tests rc={rc_tests}, decode bench rc={rc_bench}, "
+          f"prefill bench rc={rc_prefill}")
+    return rc_tests or rc_bench or rc_prefill
 
 
 if __name__ == "__main__":

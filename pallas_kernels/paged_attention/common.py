@@ -1,4 +1,4 @@
-"""Math shared by the decode kernels: GQA row folding, masking, online softmax, split merge.
+"""Math shared by the kernels: GQA row folding, masking, online softmax, split merge.
 
 Written with plain jnp ops on 1-D/2-D arrays only, so the same helpers trace inside a
 Mosaic (TPU) body, a Triton (GPU) body, and plain jnp code.
@@ -38,6 +38,54 @@ def unfold_decode_o(o: jax.Array, num_heads: int, dim: int) -> jax.Array:
     s, hkv = o.shape[:2]
     g = num_heads // hkv
     return o[:, :, :g, :dim].reshape(s, num_heads, dim)
+
+
+def fold_prefill_q(q: jax.Array, num_kv_heads: int, num_q: int, group: int, dim: int,
+                   dtype) -> jax.Array:
+    """[S, Q, H, D] -> [S, Hkv, Qp * Gp, Dp]: query-major rows (row = query * Gp + head).
+
+    The G query heads of a kv head are padded to Gp (>= G) rows and the Q slots to Qp, all
+    with zeros; a tile of TQ queries is then TQ * Gp consecutive rows.
+    """
+    s, nq, h, d = q.shape
+    g = h // num_kv_heads
+    qg = q.reshape(s, nq, num_kv_heads, g, d).astype(dtype).transpose(0, 2, 1, 3, 4)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, num_q - nq), (0, group - g), (0, dim - d)))
+    return qg.reshape(s, num_kv_heads, num_q * group, dim)
+
+
+def unfold_prefill_o(o: jax.Array, num_q: int, group: int, num_heads: int,
+                     dim: int) -> jax.Array:
+    """[S, Hkv, Qp * Gp, Dp] -> [S, Q, H, D] (drops query, head and lane padding)."""
+    s, hkv, rows, dp = o.shape
+    g = num_heads // hkv
+    o = o.reshape(s, hkv, rows // group, group, dp)[:, :, :num_q, :g, :dim]
+    return o.transpose(0, 2, 1, 3, 4).reshape(s, num_q, num_heads, dim)
+
+
+def prefill_tile(kv_len, q_len, tile, q_tile: int):
+    """Query tile `tile` (TQ = q_tile slots) of a sequence.
+
+    Returns (first_pos, n_valid, end): the absolute position of the tile's first query slot,
+    how many of its slots are valid queries, and one past the last position any of them
+    attends to (0 for an empty tile), i.e. the tile needs keys [0, end).
+    """
+    first_q = tile * q_tile
+    first_pos = kv_len - q_len + first_q
+    n_valid = jnp.clip(q_len - first_q, 0, q_tile)
+    end = jnp.where(n_valid > 0, jnp.maximum(first_pos + n_valid, 0), 0)
+    return first_pos, n_valid, end
+
+
+def causal_mask(scores: jax.Array, row, tok, first_pos, n_valid, group: int) -> jax.Array:
+    """Prefill masking of scores [R, T] for a tile of query-major rows.
+
+    Row r is query slot r // group of the tile, at position first_pos + r // group; it sees
+    key positions tok <= that position, and nothing when r // group >= n_valid. Written
+    without integer division: r // group >= x  <=>  r >= x * group.
+    """
+    ok = (row >= (tok - first_pos) * group) & (row < n_valid * group)
+    return jnp.where(ok, scores, NEG_INF)
 
 
 def mask_scores(scores: jax.Array, tok: jax.Array, kv_len) -> jax.Array:

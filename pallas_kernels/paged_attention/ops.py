@@ -2,11 +2,15 @@
 
 All checks read static shapes and dtypes only, so the wrappers run inside jax.jit.
 impl:
-  "auto"        decode (Q == 1) on TPU -> "pallas_tpu", on GPU -> "pallas_gpu" (when the page
-                size suits the kernel); CPU or Q > 1 -> "chunked"
+  "auto"        TPU -> "pallas_tpu", GPU -> "pallas_gpu" (when the page size suits the
+                kernel, else "chunked"); CPU and other backends -> "ragged"
   "reference"   gather every page (paged_attention_reference)
-  "chunked"     online-softmax loop over the pages in use (paged_attention_chunked)
-  "pallas_tpu", "pallas_gpu"                       compiled kernels, decode only
+  "chunked"     online-softmax loop over a padded [S, chunk] slab of pages in use
+                (paged_attention_chunked)
+  "ragged"      online-softmax loop over a flat list of every sequence's own page units
+                (paged_attention_ragged; the fastest XLA path on CPU)
+  "pallas_tpu", "pallas_gpu"                       compiled kernels: the decode kernel for
+                                                   Q == 1, the prefill kernel for Q > 1
   "pallas_tpu_interpret", "pallas_gpu_interpret"   the same bodies in interpret mode (tests)
 """
 from __future__ import annotations
@@ -16,12 +20,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import reference
+from . import ragged, reference
 from .pallas_gpu import gpu_supported, paged_decode_attention_gpu
+from .pallas_gpu_prefill import paged_prefill_attention_gpu
 from .pallas_tpu import paged_decode_attention_tpu, tpu_supported
+from .pallas_tpu_prefill import paged_prefill_attention_tpu
 
-IMPLS = ("auto", "reference", "chunked", "pallas_tpu", "pallas_gpu",
+IMPLS = ("auto", "reference", "chunked", "ragged", "pallas_tpu", "pallas_gpu",
          "pallas_tpu_interpret", "pallas_gpu_interpret")
+_XLA_IMPLS = ("reference", "chunked", "ragged")
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
@@ -79,14 +86,11 @@ def _resolve(impl, num_q, page_size, page_dtype):
     """Concrete implementation name for this call (backend read at trace time)."""
     backend = jax.default_backend()
     if impl == "auto":
-        if num_q == 1 and backend == "tpu" and tpu_supported(page_size, page_dtype):
-            return "pallas_tpu"
-        if num_q == 1 and backend in _GPU_BACKENDS and gpu_supported(page_size):
-            return "pallas_gpu"
-        return "chunked"
-    if impl.startswith("pallas") and num_q != 1:
-        raise ValueError(f"impl={impl!r} is a decode kernel (Q == 1); got Q = {num_q}; "
-                         "use 'chunked' or 'auto'")
+        if backend == "tpu":
+            return "pallas_tpu" if tpu_supported(page_size, page_dtype) else "chunked"
+        if backend in _GPU_BACKENDS:
+            return "pallas_gpu" if gpu_supported(page_size) else "chunked"
+        return "ragged"
     if impl == "pallas_tpu" and backend != "tpu":
         raise ValueError(f"impl='pallas_tpu' needs a TPU backend (have {backend!r}); "
                          "use 'pallas_tpu_interpret' on other backends")
@@ -114,6 +118,23 @@ def _decode(impl, q, k_pages, v_pages, block_tables, kv_lens, scale):
                                       interpret=impl.endswith("interpret"))
 
 
+def _prefill(impl, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
+    """q [S, Q, H, D], Q > 1, through a Pallas prefill kernel."""
+    if impl.startswith("pallas_tpu"):
+        interpret = _tpu_interpret() if impl.endswith("interpret") else False
+        return paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens,
+                                           scale=scale, interpret=interpret)
+    return paged_prefill_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens,
+                                       scale=scale, interpret=impl.endswith("interpret"))
+
+
+def _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
+    fn = {"reference": reference.paged_attention_reference,
+          "chunked": reference.paged_attention_chunked,
+          "ragged": ragged.paged_attention_ragged}[name]
+    return fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale=scale)
+
+
 def _scale(scale, d):
     return 1.0 / math.sqrt(d) if scale is None else scale
 
@@ -125,12 +146,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale
     _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl)
     scale = _scale(scale, q.shape[-1])
     name = _resolve(impl, q.shape[1], k_pages.shape[2], k_pages.dtype)
-    if name == "reference":
-        return reference.paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens,
-                                                   q_lens, scale=scale)
-    if name == "chunked":
-        return reference.paged_attention_chunked(q, k_pages, v_pages, block_tables, kv_lens,
-                                                 q_lens, scale=scale)
+    if name in _XLA_IMPLS:
+        return _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale)
+    if q.shape[1] > 1:
+        return _prefill(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale)
     lens = jnp.where(q_lens > 0, kv_lens, 0)  # an empty query slot outputs zeros
     return _decode(name, q[:, 0], k_pages, v_pages, block_tables, lens, scale)[:, None]
 
@@ -144,10 +163,10 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, kv_lens, *, scale=
     _validate(q4, k_pages, v_pages, block_tables, kv_lens, None, impl)
     scale = _scale(scale, q.shape[-1])
     name = _resolve(impl, 1, k_pages.shape[2], k_pages.dtype)
-    if name in ("reference", "chunked"):
+    if name in _XLA_IMPLS:
         q_lens = jnp.ones(q.shape[:1], jnp.int32)
-        return paged_attention(q[:, None], k_pages, v_pages, block_tables, kv_lens, q_lens,
-                               scale=scale, impl=name)[:, 0]
+        return _xla(name, q[:, None], k_pages, v_pages, block_tables, kv_lens, q_lens,
+                    scale)[:, 0]
     return _decode(name, q, k_pages, v_pages, block_tables, kv_lens, scale)
 
 

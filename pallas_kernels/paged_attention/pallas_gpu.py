@@ -37,6 +37,33 @@ def default_num_splits(max_blocks: int, min_pages: int, programs: int) -> int:
     return max(1, min(16, want, max_blocks // max(min_pages, 1)))
 
 
+def page_ids(bt_ref, seq, page0, pages: int, num_pages: int):
+    """Physical ids of logical pages [page0, page0 + pages) of sequence seq, clamped into the
+    pool (table entries past the end may be junk; their rows are masked off anyway)."""
+    ids = bt_ref[seq, pl.ds(page0, pages)]  # [P]
+    return jnp.minimum(jnp.maximum(ids, 0), num_pages - 1)
+
+
+def load_pages(ref, head, ids, rows_ok, dim_p: int, dtype):
+    """Gather pages ids [P] of kv head `head` from ref [Hkv, NB, BS, D] as a [P * BS, Dp]
+    tile in dtype; rows where rows_ok [P, BS] is False and lanes >= D read as zeros."""
+    _, _, bs, d = ref.shape
+    p = ids.shape[0]
+    lane = jnp.arange(dim_p, dtype=jnp.int32)[None, None, :]  # [1, 1, Dp]
+    slot = jnp.arange(bs, dtype=jnp.int32)[None, :, None]  # [1, BS, 1]
+    mask = rows_ok[:, :, None]
+    if dim_p != d:  # padded head dim: clamp pad lanes in bounds, then mask them to 0
+        lane, mask = jnp.minimum(lane, d - 1), mask & (lane < d)
+    # else keep the plain range so Triton sees contiguous, vectorizable lanes
+    mask = jnp.broadcast_to(mask, (p, bs, dim_p))
+    x = plgpu.load(ref.at[head, ids[:, None, None], slot, lane], mask=mask, other=0.0)
+    return x.reshape(p * bs, dim_p).astype(dtype)
+
+
+def dot_precision(dtype):
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
             lens_ref,  # [S] int32 (whole)
             q_ref,  # [R, Dp] block
@@ -56,30 +83,16 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
     n_iter = (jnp.maximum(last - first, 0) + p - 1) // p
 
     q = q_ref[...]  # [R, Dp]
-    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    lane = jnp.arange(dp, dtype=jnp.int32)[None, None, :]  # [1, 1, Dp]
-    slot = jnp.arange(bs, dtype=jnp.int32)[None, :, None]  # [1, BS, 1]
-    if dp != d:  # padded head dim: clamp pad lanes in bounds, then mask them to 0
-        lane_idx, lane_ok = jnp.minimum(lane, d - 1), lane < d
-    else:  # keep the plain range so Triton sees contiguous, vectorizable lanes
-        lane_idx, lane_ok = lane, None
-
-    def load(ref, ids, rows_ok):  # -> [T, Dp], zeros outside valid tokens / lanes
-        mask = rows_ok[:, :, None] if lane_ok is None else rows_ok[:, :, None] & lane_ok
-        mask = jnp.broadcast_to(mask, (p, bs, dp))
-        x = plgpu.load(ref.at[h, ids[:, None, None], slot, lane_idx],
-                       mask=mask, other=0.0)  # [P, BS, Dp]
-        return x.reshape(t, dp).astype(q.dtype)
+    prec = dot_precision(q.dtype)
 
     def body(i, carry):
         m, l, acc = carry
         page0 = first + i * p
-        ids = bt_ref[s, pl.ds(page0, p)]  # [P]
-        ids = jnp.minimum(jnp.maximum(ids, 0), nb - 1)  # entries past the end may be junk
+        ids = page_ids(bt_ref, s, page0, p, nb)
         page_tok = (page0 + jnp.arange(p, dtype=jnp.int32))[:, None] * bs  # [P, 1]
         rows_ok = page_tok + jnp.arange(bs, dtype=jnp.int32)[None, :] < kv_len  # [P, BS]
-        k = load(k_ref, ids, rows_ok)  # [T, Dp]
-        v = load(v_ref, ids, rows_ok)  # [T, Dp]
+        k = load_pages(k_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
+        v = load_pages(v_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         scores = plgpu.dot(q, k, trans_b=True, precision=prec) * scale  # [R, T] f32
         tok = page0 * bs + jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
         scores = common.mask_scores(scores, tok, kv_len)

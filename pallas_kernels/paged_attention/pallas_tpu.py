@@ -34,19 +34,19 @@ def default_pages_per_compute_block(page_size: int, max_blocks: int) -> int:
     return max(1, min(max_blocks, 256 // page_size))
 
 
-def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
-            q_ref,  # VMEM [R, D]
-            k_hbm, v_hbm,  # HBM [Hkv, NB, BS, D]
-            o_ref,  # VMEM [R, D]
-            k_buf, v_buf,  # VMEM [2, T, D], T = P * BS
-            sems,  # DMA semaphores [2 (k/v), 2 (slot)]
-            *, scale, pages_per_block, max_blocks):
-    s, h = pl.program_id(0), pl.program_id(1)
+def page_loop(bt_ref, seq, head, k_hbm, v_hbm, k_buf, v_buf, sems, *, n_pages, limit,
+              pages_per_block, max_blocks, step, init):
+    """Fold `step(i, k [T, D], v [T, D], carry)` over the compute blocks of P pages covering
+    logical pages [0, n_pages) of sequence `seq`, kv head `head` (T = P * BS).
+
+    Pages are copied one by one from HBM into a two-slot VMEM buffer, block i + 1 in flight
+    while block i is computed; only pages < n_pages are copied. V rows of tokens >= limit
+    are zeroed (pages that were not copied hold stale data, and 0 * NaN would leak); K rows
+    there are left as they are, so `step` must mask their scores.
+    """
     bs = k_hbm.shape[2]
     p = pages_per_block
     t = p * bs
-    kv_len = lens_ref[s]
-    n_pages = jnp.minimum((kv_len + bs - 1) // bs, max_blocks)
     n_blocks = (n_pages + p - 1) // p
 
     def page_copies(i, slot):
@@ -55,10 +55,12 @@ def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
         for j in range(p):
             page = i * p + j
             ok = page < n_pages
-            pid = bt_ref[s * max_blocks + jnp.minimum(page, max_blocks - 1)]
+            pid = bt_ref[seq * max_blocks + jnp.minimum(page, max_blocks - 1)]
             dst = pl.ds(j * bs, bs)
-            kc = pltpu.make_async_copy(k_hbm.at[h, pid], k_buf.at[slot, dst], sems.at[0, slot])
-            vc = pltpu.make_async_copy(v_hbm.at[h, pid], v_buf.at[slot, dst], sems.at[1, slot])
+            kc = pltpu.make_async_copy(k_hbm.at[head, pid], k_buf.at[slot, dst],
+                                       sems.at[0, slot])
+            vc = pltpu.make_async_copy(v_hbm.at[head, pid], v_buf.at[slot, dst],
+                                       sems.at[1, slot])
             out.append((ok, kc, vc))
         return out
 
@@ -76,13 +78,9 @@ def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
                 kc.wait()
                 vc.wait()
 
-    q = q_ref[...]  # [R, D]
-    rows, d = q.shape
-    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     start(0, 0)
 
     def body(i, carry):
-        m, l, acc = carry
         slot = i % 2
 
         @pl.when(i + 1 < n_blocks)
@@ -90,15 +88,31 @@ def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
             start(i + 1, 1 - slot)
 
         wait(i, slot)
-        k = k_buf[slot].astype(q.dtype)  # [T, D]
-        v = v_buf[slot].astype(q.dtype)  # [T, D]
+        k = k_buf[slot]  # [T, D]
+        v = v_buf[slot]
+        v_tok = i * t + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(v_tok < limit, v, jnp.zeros_like(v))
+        return step(i, k, v, carry)
+
+    return lax.fori_loop(0, n_blocks, body, init)
+
+
+def dot_precision(dtype):
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def attend_step(q, scale, mask):
+    """Online-softmax step for the rows of q [R, D] against a [T, D] K/V block; `mask(i,
+    scores)` masks the [R, T] scores of block i."""
+    prec = dot_precision(q.dtype)
+
+    def step(i, k, v, carry):
+        m, l, acc = carry
+        k = k.astype(q.dtype)
+        v = v.astype(q.dtype)
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                  preferred_element_type=jnp.float32) * scale  # [R, T]
-        tok = i * t + lax.broadcasted_iota(jnp.int32, (rows, t), 1)
-        scores = common.mask_scores(scores, tok, kv_len)
-        # Pages past the end were not copied: zero their stale rows so 0 * garbage stays 0.
-        v_tok = i * t + lax.broadcasted_iota(jnp.int32, (t, d), 0)
-        v = jnp.where(v_tok < kv_len, v, jnp.zeros_like(v))
+        scores = mask(i, scores)
 
         def pv(pr):  # [R, T] f32 -> [R, D] f32
             return lax.dot_general(pr.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -106,10 +120,37 @@ def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
 
         return common.softmax_step(m, l, acc, scores, pv, keepdims=True)
 
-    m0 = jnp.full((rows, 1), common.NEG_INF, jnp.float32)
-    l0 = jnp.zeros((rows, 1), jnp.float32)
-    acc0 = jnp.zeros((rows, d), jnp.float32)
-    m, l, acc = lax.fori_loop(0, n_blocks, body, (m0, l0, acc0))
+    return step
+
+
+def init_carry(rows, dim):
+    return (jnp.full((rows, 1), common.NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, dim), jnp.float32))
+
+
+def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
+            q_ref,  # VMEM [R, D]
+            k_hbm, v_hbm,  # HBM [Hkv, NB, BS, D]
+            o_ref,  # VMEM [R, D]
+            k_buf, v_buf,  # VMEM [2, T, D], T = P * BS
+            sems,  # DMA semaphores [2 (k/v), 2 (slot)]
+            *, scale, pages_per_block, max_blocks):
+    s, h = pl.program_id(0), pl.program_id(1)
+    bs = k_hbm.shape[2]
+    t = pages_per_block * bs
+    kv_len = lens_ref[s]
+    n_pages = jnp.minimum((kv_len + bs - 1) // bs, max_blocks)
+    q = q_ref[...]  # [R, D]
+    rows, d = q.shape
+
+    def mask(i, scores):
+        tok = i * t + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        return common.mask_scores(scores, tok, kv_len)
+
+    m, l, acc = page_loop(bt_ref, s, h, k_hbm, v_hbm, k_buf, v_buf, sems, n_pages=n_pages,
+                          limit=kv_len, pages_per_block=pages_per_block,
+                          max_blocks=max_blocks, step=attend_step(q, scale, mask),
+                          init=init_carry(rows, d))
     out, _ = common.finalize(m, l, acc, keepdims=True)
     o_ref[...] = out.astype(o_ref.dtype)
 

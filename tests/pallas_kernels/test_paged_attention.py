@@ -1,7 +1,7 @@
 """Paged attention kernels against `paged_attention_reference`.
 
-`TestDecodeKernels` runs the compiled kernels and skips off their backend; the
-`TestDecodeKernelsInterpret` subclass runs the same cases with interpret=True on any backend.
+`TestDecodeKernels` / `TestPrefillKernels` run the compiled kernels and skip off their
+backend; their `...Interpret` subclasses run the same cases with interpret=True on any backend.
 """
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from pallas_kernels import (paged_attention, paged_attention_reference, paged_de
                             write_kv)
 from pallas_kernels.paged_attention import common, ops
 from pallas_kernels.paged_attention.pallas_gpu import paged_decode_attention_gpu
+from pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
 from pallas_kernels.paged_attention.pallas_tpu import paged_decode_attention_tpu
+from pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
+from pallas_kernels.paged_attention.ragged import paged_attention_ragged
 from pallas_kernels.paged_attention.reference import (online_softmax_update,
                                                       paged_attention_chunked)
 
@@ -69,7 +72,7 @@ def lengths(bs):
     return [1, bs, bs + 1, 5 * bs + 3, MB * bs, 0]
 
 
-class TestDecodeKernels:
+class KernelImpl:
     INTERPRET = False
 
     def impl(self, kind):
@@ -79,6 +82,9 @@ class TestDecodeKernels:
         if (kind == "tpu") != (backend == "tpu") or (kind == "gpu" and backend == "cpu"):
             pytest.skip(f"compiled pallas_{kind} needs its device (backend is {backend})")
         return f"pallas_{kind}"
+
+
+class TestDecodeKernels(KernelImpl):
 
     @pytest.mark.parametrize("kind", ["tpu", "gpu"])
     @pytest.mark.parametrize("bs,g,d,dtype", CASES)
@@ -143,7 +149,7 @@ def test_chunked_prefill_matches_reference(bs, chunk):
     q0 = paged_attention_reference(q[:1, :1], k, v, tables[:1], kv_lens[:1] - 5, q_lens[:1] - 5,
                                    scale=0.2)
     np.testing.assert_allclose(np.asarray(out[0, 0]), np.asarray(q0[0, 0]), atol=1e-5)
-    auto = paged_attention(q, k, v, tables, kv_lens, q_lens, scale=0.2)  # auto -> chunked
+    auto = paged_attention(q, k, v, tables, kv_lens, q_lens, scale=0.2)  # CPU: ragged
     assert_close(auto, ref, F32)
 
 
@@ -250,9 +256,6 @@ def test_validation_prefill_and_write_kv():
     a = _args()
     q4 = a["q"][:, None].repeat(3, axis=1)
     lens = jnp.ones((2,), jnp.int32)
-    with pytest.raises(ValueError, match="decode kernel"):
-        paged_attention(q4, a["k_pages"], a["v_pages"], a["block_tables"], a["kv_lens"], lens,
-                        impl="pallas_gpu_interpret")
     with pytest.raises(TypeError, match="q_lens must be int32"):
         paged_attention(q4, a["k_pages"], a["v_pages"], a["block_tables"], a["kv_lens"],
                         lens.astype(jnp.float32))
@@ -264,15 +267,18 @@ def test_validation_prefill_and_write_kv():
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="needs a GPU backend"):
             paged_decode_attention(**a, impl="pallas_gpu")
+        with pytest.raises(ValueError, match="needs a TPU backend"):  # the prefill kernel
+            paged_attention(q4, a["k_pages"], a["v_pages"], a["block_tables"], a["kv_lens"],
+                            lens, impl="pallas_tpu")
 
 
 def test_auto_routing(monkeypatch):
-    assert ops._resolve("auto", 1, 16, F32) == ("chunked" if jax.default_backend() == "cpu"
-                                                else ops._resolve("auto", 1, 16, F32))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert ops._resolve("auto", 1, 16, F32) == "ragged"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert ops._resolve("auto", 1, 16, BF16) == "pallas_tpu"
     assert ops._resolve("auto", 1, 8, BF16) == "chunked"  # half a bf16 VMEM tile
-    assert ops._resolve("auto", 4, 16, F32) == "chunked"
+    assert ops._resolve("auto", 4, 16, F32) == "pallas_tpu"  # the prefill kernel
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert ops._resolve("auto", 1, 8, BF16) == "pallas_gpu"
     assert ops._resolve("auto", 1, 24, F32) == "chunked"
