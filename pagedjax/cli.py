@@ -1,4 +1,4 @@
-"""Command line: `pagedjax generate ...` and `pagedjax serve ...`."""
+"""Command line: `pagedjax generate ...`, `pagedjax serve ...` and `pagedjax bench compare ...`."""
 from __future__ import annotations
 
 import argparse
@@ -97,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from pagedjax import compare_cli
+
+    compare = bench.add_parser("compare", help="dense vs paged KV cache on one workload and KV budget",
+                               description="Dense vs paged KV cache: same model, workload and KV memory budget; "
+                                           "writes JSON, a markdown table and PNG plots.")
+    compare_cli.add_arguments(compare)
+    compare.set_defaults(func=compare_cli.run)
     args = parser.parse_args(argv)
     return args.func(args) or 0
 
