@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import (NEG_INF, _fold_gqa, _unfold_gqa,
-                                                      online_softmax_update, query_positions)
+from pallas_kernels.paged_attention.reference import (NEG_INF, _fold_gqa, online_softmax_update, query_positions,
+                                                      run_online_softmax)
 
 DEFAULT_CHUNK_TOKENS = 128
 
@@ -61,9 +61,4 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
         scores = jnp.where(valid[:, None, None], scores, NEG_INF)
         return online_softmax_update(*carry, scores, v[:, :, None])  # values [S, Hkv, 1, C, D]
 
-    m0 = jnp.full((s, hkv, g, nq), NEG_INF, jnp.float32)
-    l0 = jnp.zeros((s, hkv, g, nq), jnp.float32)
-    acc0 = jnp.zeros((s, hkv, g, nq, d), jnp.float32)
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return _unfold_gqa(out).astype(q.dtype)
+    return run_online_softmax(num_chunks, body, (s, hkv, g, nq, d), q.dtype)

@@ -75,6 +75,18 @@ def online_softmax_update(m, l, acc, scores, values):
     return m_new, l_new, acc_new
 
 
+def run_online_softmax(num_chunks, body, shape, dtype):
+    """Runs `body(i, (m, l, acc))` for i < num_chunks from an empty softmax state of
+    `shape` = (S, Hkv, G, Q, D); returns the normalised output [S, Q, H, D] in `dtype`
+    (rows that saw no key are zeros)."""
+    m0 = jnp.full(shape[:-1], NEG_INF, jnp.float32)
+    l0 = jnp.zeros(shape[:-1], jnp.float32)
+    acc0 = jnp.zeros(shape, jnp.float32)
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return _unfold_gqa(out).astype(dtype)
+
+
 def paged_attention_chunked(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale,
                             blocks_per_chunk: int = 8):
     """Same result as `paged_attention_reference`, visiting only the pages in use.
@@ -109,12 +121,7 @@ def paged_attention_chunked(q, k_pages, v_pages, block_tables, kv_lens, q_lens, 
         vals = v.transpose(1, 0, 2, 3)[:, :, None]  # [S, Hkv, 1, T, D]
         return online_softmax_update(m, l, acc, scores, vals)
 
-    m0 = jnp.full((s, hkv, g, nq), NEG_INF, jnp.float32)
-    l0 = jnp.zeros((s, hkv, g, nq), jnp.float32)
-    acc0 = jnp.zeros((s, hkv, g, nq, d), jnp.float32)
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return _unfold_gqa(out).astype(q.dtype)
+    return run_online_softmax(num_chunks, body, (s, hkv, g, nq, d), q.dtype)
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
