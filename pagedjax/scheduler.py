@@ -204,10 +204,12 @@ class Scheduler:
         """Cached blocks covering req's leading full blocks (at least one token left to compute)."""
         if not self.pool.enable_prefix_caching:
             return []
-        hits, parent = [], None
-        for i in range((req.num_tokens - 1) // self.block_size):
-            tokens = tuple(req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = req.block_hashes[i] if i < len(req.block_hashes) else hash_block(parent, tokens, req.cache_salt if i == 0 else None)
+        hits, parent, bs = [], None, self.block_size
+        all_ids = req.all_token_ids
+        for i in range((req.num_tokens - 1) // bs):
+            tokens = tuple(all_ids[i * bs:(i + 1) * bs])
+            h = req.block_hashes[i] if i < len(req.block_hashes) else \
+                hash_block(parent, tokens, req.cache_salt if i == 0 else None)
             block = self.pool.lookup(h, tokens)
             if block is None:
                 break
