@@ -116,7 +116,7 @@ class BackendRun:
 
         self.kind = kind
         self.budget_bytes = budget_tokens * kv_bytes_per_token(model, dtype)
-        self.engine = LLMEngine(model, stream_text=False, kv_cache=kind, block_size=block_size,
+        self.engine = LLMEngine(model, stream_text=True, kv_cache=kind, block_size=block_size,
                                 max_num_seqs=max_num_seqs, max_model_len=workload.max_model_len,
                                 enable_prefix_caching=enable_prefix_caching, dtype=dtype,
                                 kv_cache_memory_gb=self.budget_bytes / (1 << 30), **(engine_kwargs or {}))

@@ -52,6 +52,8 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, model: str | None = None, *, stream_text: bool = True, **engine_kwargs):
+        """stream_text: keep every request's text up to date each step and return outputs of
+        unfinished requests too (for streaming); off, text is decoded once at the end."""
         compile_counter.install()
         compile_counter.enable_persistent_cache()
         self.config = EngineConfig(model=model, **engine_kwargs)
@@ -193,7 +195,9 @@ class LLMEngine:
                 if bg.done:
                     self._beam_groups.pop(bg.request_id, None)
                     self.finished_beam_searches[bg.request_id] = bg.output(self.tokenizer)
-        outputs = [self._output(g) for g in {id(g): g for g in touched.values()}.values()]
+        groups = {id(g): g for g in touched.values()}.values()
+        # offline (stream_text off) callers only read finished outputs: skip copying the rest
+        outputs = [self._output(g) for g in groups if self.stream_text or g.finished]
         for g in touched.values():
             if g.finished and g.request_id in self._groups:
                 del self._groups[g.request_id]
