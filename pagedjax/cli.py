@@ -10,7 +10,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most requests running at once (default: 64; generate: the number of prompts)")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="padded tokens per prefill step")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes")
@@ -20,7 +21,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs or 64,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
                 seed=args.seed)
@@ -56,7 +57,10 @@ def run_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos)
-        engine = LLMEngine(args.model, stream_text=True, **engine_kwargs(args))
+        kwargs = engine_kwargs(args)
+        if args.max_num_seqs is None:  # no bigger batch than the prompts: fewer, smaller shapes to compile
+            kwargs["max_num_seqs"] = min(len(prompts), 64)
+        engine = LLMEngine(args.model, stream_text=True, **kwargs)
         for i, prompt in enumerate(prompts):
             if args.chat:
                 prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],

@@ -1,0 +1,15 @@
+"""`pagedjax generate` as a user runs it."""
+from pagedjax.cli import main
+
+
+def test_generate_streams_an_answer(default_model_path, capsys):
+    rc = main(["generate", "What is the capital of France?", "--chat", "--max-tokens", "8", "--max-model-len", "128"])
+    assert rc == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_generate_rejects_bad_arguments_with_a_clear_message(capsys):
+    assert main(["generate", "hi", "--max-tokens", "0"]) == 2
+    assert "max_tokens must be an integer >= 1" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", "/nonexistent/dir"]) == 2
+    assert "does not exist" in capsys.readouterr().err
