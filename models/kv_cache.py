@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_attention
-from pallas_kernels.paged_attention.reference import paged_attention_chunked, write_kv
+from pallas_kernels.paged_attention.cpu_native import paged_attention_native
+from pallas_kernels.paged_attention.ops import native_supported, paged_attention
+from pallas_kernels.paged_attention.reference import write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +66,9 @@ class DenseKVCache:
     paged layout with one block of max_model_len tokens per request, so the engine drives it
     through the same block pool and metadata: `block_size` is max_model_len, a request's
     block table is [its slot], and slot_mapping = slot * max_model_len + position. Attention
-    walks each slot in contiguous chunks up to the longest live sequence (`dense_attention`).
+    walks each slot in contiguous chunks up to the longest live sequence (`dense_attention`);
+    on CPU with float32 it runs the same native kernel as the paged cache (one page per
+    slot), so the two backends are compared on equal kernels.
     """
 
     def __init__(self, num_slots: int, max_model_len: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
@@ -88,16 +92,16 @@ class DenseKVCache:
         s, nq, hkv, d = k.shape
         k_cache, v_cache = write_kv(layer_kv[0], layer_kv[1], k.reshape(s * nq, hkv, d),
                                     v.reshape(s * nq, hkv, d), md.slot_mapping.reshape(-1))
-        out = dense_attention(q, k_cache, v_cache, md.block_tables[:, 0], md.kv_lens, md.q_lens, scale=scale,
-                              chunk_tokens=self.chunk_tokens)
+        if native_supported(q.dtype, k_cache.dtype):  # a slot is one page of max_model_len rows
+            out = paged_attention_native(q, k_cache, v_cache, md.block_tables[:, :1], md.kv_lens, md.q_lens,
+                                         scale=scale)
+        else:
+            out = dense_attention(q, k_cache, v_cache, md.block_tables[:, 0], md.kv_lens, md.q_lens, scale=scale,
+                                  chunk_tokens=self.chunk_tokens)
         return (k_cache, v_cache), out
 
 
 def _paged_attention(q, k_pages, v_pages, md, scale, impl):
-    try:  # the validating wrapper with Pallas backends, when present
-        from pallas_kernels.paged_attention.ops import paged_attention
-    except ImportError:  # pragma: no cover - reference-only checkout
-        return paged_attention_chunked(q, k_pages, v_pages, md.block_tables, md.kv_lens, md.q_lens, scale=scale)
     return paged_attention(q, k_pages, v_pages, md.block_tables, md.kv_lens, md.q_lens, scale=scale, impl=impl)
 
 

@@ -9,28 +9,28 @@ import numpy as np
 from models.config import ModelConfig, load_config
 from models.llama import CausalLM
 
-_LAYER_NAMES = {  # our name -> (HF suffix under model.layers.{i}., transpose?)
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "bo": ("self_attn.o_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "input_norm": ("input_layernorm.weight", False),
-    "post_attention_norm": ("post_attention_layernorm.weight", False),
+_LAYER_NAMES = {  # our name -> HF suffix under model.layers.{i}.
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "bo": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+    "input_norm": "input_layernorm.weight",
+    "post_attention_norm": "post_attention_layernorm.weight",
 }
 _OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm"}
 
 
 def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
-    """HF-named tensors ([out, in] weights) -> the nested arrays CausalLM takes ([in, out])."""
+    """HF-named tensors -> the nested arrays CausalLM takes (weights stay [out, in])."""
     def take(name: str) -> np.ndarray:
         if name not in tensors:
             raise KeyError(f"checkpoint is missing tensor {name!r}")
@@ -39,15 +39,14 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
     layers = []
     for i in range(cfg.num_layers):
         layer = {}
-        for ours, (suffix, transpose) in _LAYER_NAMES.items():
+        for ours, suffix in _LAYER_NAMES.items():
             name = f"model.layers.{i}.{suffix}"
             if ours in _OPTIONAL:
                 wanted = (ours in ("bq", "bk", "bv") and cfg.attention_bias) or (ours == "bo" and cfg.o_bias) \
                     or (ours in ("q_norm", "k_norm") and cfg.qk_norm)
                 if not wanted:
                     continue
-            w = take(name)
-            layer[ours] = w.T if transpose else w
+            layer[ours] = take(name)
         layers.append(_fuse(layer))
     arrays = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight"), "layers": layers}
     if not cfg.tie_word_embeddings:
@@ -57,10 +56,10 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
 
 def _fuse(layer: dict) -> dict:
     """Concatenates q/k/v (weights and biases) and gate/up so each runs as one matmul."""
-    layer["wqkv"] = np.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=1)
+    layer["wqkv"] = np.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=0)
     if "bq" in layer:
         layer["bqkv"] = np.concatenate([layer.pop("bq"), layer.pop("bk"), layer.pop("bv")])
-    layer["w_gate_up"] = np.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=1)
+    layer["w_gate_up"] = np.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=0)
     return layer
 
 

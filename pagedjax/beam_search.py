@@ -116,7 +116,7 @@ class BeamGroup:
         all_finished = len(self.finished) >= w and p.early_stopping is True
         if not keep or not self.improvable or all_finished:
             self.done = True
-            self._release(scheduler)
+            self.abort(scheduler)
             return
         new_beams = []
         for score, bi, tok in keep:
@@ -125,11 +125,12 @@ class BeamGroup:
             child.output_token_ids[-1] = tok
             child.output_logprobs = []
             new_beams.append(_Beam(child, score))
-        self._release(scheduler)
+        self.abort(scheduler)
         new_beams[0].req.reserved_seats = w - len(new_beams)
         self.beams = new_beams
 
-    def _release(self, scheduler) -> None:
+    def abort(self, scheduler) -> None:
+        """Ends every live beam and returns its blocks (the finished hypotheses stay)."""
         for beam in self.beams:
             scheduler.finish(beam.req, "abort")
 

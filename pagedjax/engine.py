@@ -146,7 +146,7 @@ class LLMEngine:
         """Ends a request at once and returns its blocks; unknown ids are ignored."""
         beam_group = self._beam_groups.pop(request_id, None)
         if beam_group is not None:
-            beam_group._release(self.scheduler)
+            beam_group.abort(self.scheduler)
         group = self._groups.pop(request_id, None)
         if group is None:
             return

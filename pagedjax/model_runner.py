@@ -29,7 +29,7 @@ class ModelRunner:
         kv_sharding = NamedSharding(self.mesh, P("tp") if cfg.num_kv_heads % self.mesh.size == 0 else P())
         self.kv_caches = init_kv_caches(cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding)
         self._step = jax.jit(self._forward, donate_argnums=(1,))
-        self.compiled_shapes: set[tuple[int, int]] = set()
+        self.compiled_shapes: set[tuple[tuple[int, int], ...]] = set()  # grid shapes of each compiled step
 
     def _forward(self, state, kv_caches, segments, sampling: SamplingInputs, copies):
         """segments: [(tokens [S,Q], AttentionMetadata)]; one sampled token per grid row."""

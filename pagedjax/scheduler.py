@@ -107,9 +107,10 @@ class Scheduler:
             if not self._fits(len(reqs) + 1, max(q_lens + [q])) or not self._grow(req, req.num_computed_tokens, q):
                 break
             reqs.append(req), starts.append(req.num_computed_tokens), q_lens.append(q)
+        seats = self.num_seats_taken()
         while self.waiting:
             req = self.waiting[0]
-            if self.num_seats_taken() + 1 + req.reserved_seats > self.buckets.max_num_seqs:
+            if seats + 1 + req.reserved_seats > self.buckets.max_num_seqs:
                 break  # room for the request and the sequences it will fork
             hits = self._match_prefix(req)
             start = len(hits) * self.block_size
@@ -132,6 +133,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(req)
+            seats += 1 + req.reserved_seats
             reqs.append(req), starts.append(start), q_lens.append(q)
         return reqs, starts, q_lens
 

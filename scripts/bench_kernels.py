@@ -5,14 +5,14 @@
     PYTHONPATH=. python scripts/bench_kernels.py --cpu-decode [--iters N] [--skew N]  # XLA
 
 Decode / prefill: every implementation is jitted and timed on the current backend (median
-of N calls after a warm-up) and compared with the reference. On CPU the XLA paths run
-("ragged", the CPU default, "chunked", "reference"): compiled Pallas kernels need a GPU or
-TPU. --cpu-decode times one decode step's attention of a SmolLM2-135M-shaped model (30
+of N calls after a warm-up) and compared with the reference. On CPU the native C++ kernel
+(the CPU default) and the XLA paths run ("ragged", "chunked", "reference"): compiled Pallas
+kernels need a GPU or TPU. --cpu-decode times one decode step's attention of a SmolLM2-135M-shaped model (30
 layers, 9 q / 3 kv heads, head dim 64, batch 16, ~190-token contexts, 16-token pages, a
 512-page pool per layer, f32): one jitted function making the 30 calls, each layer on its own
-pools, chained through q; it reports wall and process CPU time per step for each XLA path
-("chunked" is the path the engine used before "ragged"). --skew N also runs the batch with
-one sequence N tokens long. Prints a table and writes JSON (default
+pools, chained through q; it reports wall and process CPU time per step for each CPU path
+("native", and "chunked" and "ragged", the XLA paths the engine used before it). --skew N
+also runs the batch with one sequence N tokens long. Prints a table and writes JSON (default
 results/bench_kernels.json, results/bench_prefill.json, results/bench_cpu_decode.json).
 """
 from __future__ import annotations
@@ -86,7 +86,10 @@ def impls_for_backend(backend):
     if kernel is None:
         print(f"[bench] backend {backend!r}: compiled Pallas kernels need a GPU/TPU; "
               "timing the XLA paths only")
-        return ["ragged", "chunked", "reference"]
+        from pallas_kernels.paged_attention.ops import native_supported
+
+        native = ["native"] if native_supported(jnp.float32, jnp.float32) else []
+        return native + ["ragged", "chunked", "reference"]
     return [kernel, "chunked", "reference"]
 
 
@@ -155,7 +158,9 @@ def bench_cpu_decode(iters, skew, out_path):
         skewed[3] = skew
         scenarios[f"one_at_{skew}"] = skewed
     results = []
-    impls = ["chunked", "ragged"]
+    from pallas_kernels.paged_attention.ops import native_supported
+
+    impls = ["chunked", "ragged"] + (["native"] if native_supported(jnp.float32, jnp.float32) else [])
     print(f"[bench] cpu-decode {c}; per step = {c['layers']} attention calls")
     print(f"{'scenario':>16} {'impl':>8} {'wall min':>9} {'wall med':>9} {'cpu med':>9} ms"
           f"  max|diff| vs reference (layer 0)")

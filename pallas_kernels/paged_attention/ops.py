@@ -3,12 +3,15 @@
 All checks read static shapes and dtypes only, so the wrappers run inside jax.jit.
 impl:
   "auto"        TPU -> "pallas_tpu", GPU -> "pallas_gpu" (when the page size suits the
-                kernel, else "chunked"); CPU and other backends -> "ragged"
+                kernel, else "chunked"); CPU -> "native" for float32 when the kernel builds,
+                else "ragged"; other backends -> "ragged"
   "reference"   gather every page (paged_attention_reference)
   "chunked"     online-softmax loop over a padded [S, chunk] slab of pages in use
                 (paged_attention_chunked)
   "ragged"      online-softmax loop over a flat list of every sequence's own page units
                 (paged_attention_ragged; the fastest XLA path on CPU)
+  "native"      C++ kernel through the XLA FFI, CPU and float32 only (cpu_native.py;
+                several times faster than "ragged" there)
   "pallas_tpu", "pallas_gpu"                       compiled kernels: the decode kernel for
                                                    Q == 1, the prefill kernel for Q > 1
   "pallas_tpu_interpret", "pallas_gpu_interpret"   the same bodies in interpret mode (tests)
@@ -20,15 +23,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import ragged, reference
+from . import cpu_native, ragged, reference
 from .pallas_gpu import gpu_supported, paged_decode_attention_gpu
 from .pallas_gpu_prefill import paged_prefill_attention_gpu
 from .pallas_tpu import paged_decode_attention_tpu, tpu_supported
 from .pallas_tpu_prefill import paged_prefill_attention_tpu
 
-IMPLS = ("auto", "reference", "chunked", "ragged", "pallas_tpu", "pallas_gpu",
+IMPLS = ("auto", "reference", "chunked", "ragged", "native", "pallas_tpu", "pallas_gpu",
          "pallas_tpu_interpret", "pallas_gpu_interpret")
-_XLA_IMPLS = ("reference", "chunked", "ragged")
+_XLA_IMPLS = ("reference", "chunked", "ragged", "native")  # one function for every Q
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
@@ -82,7 +85,14 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl):
             raise ValueError(f"sequence counts differ: q has {s}, q_lens {q_lens.shape[0]}")
 
 
-def _resolve(impl, num_q, page_size, page_dtype):
+def native_supported(q_dtype, page_dtype) -> bool:
+    """The native C++ kernel serves this call: CPU backend, float32, kernel built."""
+    f32 = jnp.dtype(jnp.float32)
+    return (jax.default_backend() == "cpu" and jnp.dtype(q_dtype) == f32 and jnp.dtype(page_dtype) == f32
+            and cpu_native.available())
+
+
+def _resolve(impl, q_dtype, page_size, page_dtype):
     """Concrete implementation name for this call (backend read at trace time)."""
     backend = jax.default_backend()
     if impl == "auto":
@@ -90,7 +100,10 @@ def _resolve(impl, num_q, page_size, page_dtype):
             return "pallas_tpu" if tpu_supported(page_size, page_dtype) else "chunked"
         if backend in _GPU_BACKENDS:
             return "pallas_gpu" if gpu_supported(page_size) else "chunked"
-        return "ragged"
+        return "native" if native_supported(q_dtype, page_dtype) else "ragged"
+    if impl == "native" and not native_supported(q_dtype, page_dtype):
+        raise ValueError("impl='native' needs the CPU backend, float32 q and pages, and a built kernel "
+                         f"(backend {backend!r}, q {q_dtype}, pages {page_dtype}; see cpu_native.py)")
     if impl == "pallas_tpu" and backend != "tpu":
         raise ValueError(f"impl='pallas_tpu' needs a TPU backend (have {backend!r}); "
                          "use 'pallas_tpu_interpret' on other backends")
@@ -131,7 +144,8 @@ def _prefill(impl, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
 def _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
     fn = {"reference": reference.paged_attention_reference,
           "chunked": reference.paged_attention_chunked,
-          "ragged": ragged.paged_attention_ragged}[name]
+          "ragged": ragged.paged_attention_ragged,
+          "native": cpu_native.paged_attention_native}[name]
     return fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale=scale)
 
 
@@ -145,7 +159,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale
     _check_rank("q", q, 4, "[S, Q, H, D]")
     _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl)
     scale = _scale(scale, q.shape[-1])
-    name = _resolve(impl, q.shape[1], k_pages.shape[2], k_pages.dtype)
+    name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
     if name in _XLA_IMPLS:
         return _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale)
     if q.shape[1] > 1:
@@ -162,7 +176,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, kv_lens, *, scale=
     q4 = jax.ShapeDtypeStruct((s, 1, h, d), q.dtype)  # shape-only view as [S, 1, H, D]
     _validate(q4, k_pages, v_pages, block_tables, kv_lens, None, impl)
     scale = _scale(scale, q.shape[-1])
-    name = _resolve(impl, 1, k_pages.shape[2], k_pages.dtype)
+    name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
     if name in _XLA_IMPLS:
         q_lens = jnp.ones(q.shape[:1], jnp.int32)
         return _xla(name, q[:, None], k_pages, v_pages, block_tables, kv_lens, q_lens,

@@ -1,4 +1,5 @@
-"""XLA paged attention over a flat list of page units: the fast path on CPU.
+"""XLA paged attention over a flat list of page units: the XLA path on CPU (the fallback
+when the native kernel, cpu_native.py, cannot be built; any dtype).
 
 Same contract as `paged_attention_reference` (see reference.py). `paged_attention_chunked`
 walks a padded [S, chunk] slab of pages per step, so every sequence pays for the longest one

@@ -1,4 +1,4 @@
-"""Plain-jnp paged attention: the semantic definition and the CPU fast path.
+"""Plain-jnp paged attention: the semantic definition every backend is tested against.
 
 Layout shared by every backend:
   q            [S, Q, H, D]        queries of S sequences, Q query slots each (Q = 1 for decode)

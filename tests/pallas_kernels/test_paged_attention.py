@@ -274,14 +274,20 @@ def test_validation_prefill_and_write_kv():
 
 def test_auto_routing(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert ops._resolve("auto", 1, 16, F32) == "ragged"
+    monkeypatch.setattr(ops.cpu_native, "available", lambda: True)
+    assert ops._resolve("auto", F32, 16, F32) == "native"
+    assert ops._resolve("auto", BF16, 16, BF16) == "ragged"  # the native kernel is float32 only
+    monkeypatch.setattr(ops.cpu_native, "available", lambda: False)  # no compiler
+    assert ops._resolve("auto", F32, 16, F32) == "ragged"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert ops._resolve("auto", 1, 16, BF16) == "pallas_tpu"
-    assert ops._resolve("auto", 1, 8, BF16) == "chunked"  # half a bf16 VMEM tile
-    assert ops._resolve("auto", 4, 16, F32) == "pallas_tpu"  # the prefill kernel
+    assert ops._resolve("auto", BF16, 16, BF16) == "pallas_tpu"
+    assert ops._resolve("auto", BF16, 8, BF16) == "chunked"  # half a bf16 VMEM tile
+    assert ops._resolve("auto", F32, 16, F32) == "pallas_tpu"
+    with pytest.raises(ValueError, match="impl='native' needs"):
+        ops._resolve("native", F32, 16, F32)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert ops._resolve("auto", 1, 8, BF16) == "pallas_gpu"
-    assert ops._resolve("auto", 1, 24, F32) == "chunked"
+    assert ops._resolve("auto", BF16, 8, BF16) == "pallas_gpu"
+    assert ops._resolve("auto", F32, 24, F32) == "chunked"
 
 
 # ---------------------------------------------------------------- lowering smoke tests (CPU)

@@ -68,12 +68,10 @@ def test_ragged_prefill(bs, g, nq, unit, step):
     check(fn, args, F32)
 
 
-def test_ragged_is_the_cpu_default():
+def test_ragged_through_the_wrapper():
     args = make_batch(16, 3, 3, 64, F32, [(1, 40), (1, 7)], 1, 4)
-    out = paged_attention(*args, scale=0.125)
-    if jax.default_backend() == "cpu":
-        ragged = paged_attention_ragged(*args, scale=0.125)
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(ragged))
+    out = paged_attention(*args, scale=0.125, impl="ragged")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_attention_ragged(*args, scale=0.125)))
     dec = paged_decode_attention(args[0][:, 0], *args[1:5], scale=0.125, impl="ragged")
     assert_close(dec, paged_attention_reference(*args, scale=0.125)[:, 0], F32)
 
@@ -84,16 +82,21 @@ _S, _Q, _BS, _MB, _NB = 4, 3, 4, 5, 24
 
 @functools.lru_cache(maxsize=None)
 def _jitted(name):
+    from pallas_kernels.paged_attention.cpu_native import paged_attention_native
+
     fn = {"ragged": functools.partial(paged_attention_ragged, pages_per_unit=2,
                                       units_per_step=2),
           "chunked": functools.partial(paged_attention_chunked, blocks_per_chunk=2),
+          "native": paged_attention_native,
           "reference": paged_attention_reference}[name]
     return jax.jit(functools.partial(fn, scale=0.3))
 
 
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_xla_paths_property(data):
+def test_cpu_paths_property(data):
+    from pallas_kernels.paged_attention.ops import native_supported
+
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
     kv = [data.draw(st.integers(0, _MB * _BS)) for _ in range(_S)]
     ql = [data.draw(st.integers(0, min(_Q, n))) for n in kv]
@@ -104,6 +107,7 @@ def test_xla_paths_property(data):
     tables = jnp.asarray(rng.integers(0, _NB, (_S, _MB)), jnp.int32)  # pages may be shared
     args = (q, k, v, tables, jnp.asarray(kv, jnp.int32), jnp.asarray(ql, jnp.int32))
     ref = np.asarray(_jitted("reference")(*args))
-    for name in ("ragged", "chunked"):
+    names = ["ragged", "chunked"] + (["native"] if native_supported(F32, F32) else [])
+    for name in names:
         np.testing.assert_allclose(np.asarray(_jitted(name)(*args)), ref, atol=1e-5,
                                    rtol=1e-5, err_msg=name)

@@ -1,0 +1,91 @@
+"""Native paged attention for the CPU backend: cpu_attention.cc through the XLA FFI.
+
+XLA:CPU runs the jnp paths as many small fused loops; for decode (a few query rows per
+sequence) their fixed costs dominate. The C++ kernel walks each sequence's pages once with
+an online softmax, on XLA's intra-op thread pool. It is compiled at first use with the
+system C++ compiler (`g++ -O3 -march=native`, about 10 s) into
+~/.cache/pagedjax/native/ (PAGEDJAX_CACHE_DIR moves it); `available()` is False (and the
+engine keeps the XLA path) when there is no compiler, the build fails, or
+PAGEDJAX_NATIVE_ATTENTION=0.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+_TARGET = "pagedjax_paged_attention_f32"
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffast-math", "-fopenmp-simd", "-w"]
+log = logging.getLogger(__name__)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
+    return Path(root) / "native"
+
+
+def _cpu_signature() -> str:
+    try:  # -march=native code is only valid on a CPU with the same features
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def build() -> Path:
+    """Compiles cpu_attention.cc (once per source, jaxlib and CPU); returns the library path."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), jax.__version__, include, compiler, *_FLAGS,
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"cpu_attention_{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the native attention kernel failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        os.replace(out, lib)  # atomic: concurrent builders never load a half-written file
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """True when the kernel is built and registered with XLA (at most one build per process)."""
+    if os.environ.get("PAGEDJAX_NATIVE_ATTENTION", "1") == "0":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PagedAttentionF32), platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        log.warning("native CPU paged attention unavailable, using the XLA path: %s", e)
+        return False
+    return True
+
+
+def supports(q, k_pages) -> bool:
+    """The kernel takes float32 queries and pages."""
+    return q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+
+
+def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale):
+    """Same result as `paged_attention_reference` (float32 only); needs `available()`."""
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    return call(q, k_pages, v_pages, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+                q_lens.astype(jnp.int32), scale=np.float32(scale))
