@@ -119,13 +119,14 @@ class TestPrefillKernelsInterpret(TestPrefillKernels):
 
 def test_auto_routes_prefill_to_kernels(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert ops._resolve("auto", 8, 16, BF16) == "pallas_tpu"
-    assert ops._resolve("auto", 8, 8, BF16) == "chunked"  # half a bf16 VMEM tile
+    assert ops._resolve("auto", BF16, 16, BF16) == "pallas_tpu"
+    assert ops._resolve("auto", BF16, 8, BF16) == "chunked"  # half a bf16 VMEM tile
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert ops._resolve("auto", 8, 16, F32) == "pallas_gpu"
-    assert ops._resolve("auto", 8, 24, F32) == "chunked"
+    assert ops._resolve("auto", F32, 16, F32) == "pallas_gpu"
+    assert ops._resolve("auto", F32, 24, F32) == "chunked"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert ops._resolve("auto", 8, 24, F32) == "ragged"
+    monkeypatch.setattr(ops.cpu_native, "available", lambda: False)
+    assert ops._resolve("auto", F32, 24, F32) == "ragged"
 
 
 @pytest.mark.parametrize("kind", ["gpu", "tpu"])
