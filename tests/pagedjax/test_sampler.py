@@ -1,8 +1,12 @@
 """On-device sampler: filters, seeds, batch independence."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.sampler import SamplingInputs, sample
+from pagedjax.sampler import SamplingInputs
+from pagedjax.sampler import sample as _sample
+
+sample = jax.jit(_sample)  # as the engine runs it (eager lax.cond would compile on every call)
 
 
 def inputs(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None):
