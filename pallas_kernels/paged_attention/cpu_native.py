@@ -4,7 +4,7 @@ XLA:CPU runs the jnp paths as many small fused loops; for decode (a few query ro
 sequence) their fixed costs dominate. The C++ kernel walks each sequence's pages once with
 an online softmax, on XLA's intra-op thread pool. It is compiled at first use with the
 system C++ compiler (`g++ -O3 -march=native`, about 10 s) into
-~/.cache/pagedjax/native/ (PAGEDJAX_CACHE_DIR moves it); `available()` is False (and the
+~/.cache/pagedjax/native/ (PAGEDJAX_CACHE moves the root); `available()` is False (and the
 engine keeps the XLA path) when there is no compiler, the build fails, or
 PAGEDJAX_NATIVE_ATTENTION=0.
 """
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDJAX_CACHE_DIR") or Path.home() / ".cache" / "pagedjax"
+    root = os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax"
     return Path(root) / "native"
 
 

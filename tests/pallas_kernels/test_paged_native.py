@@ -81,7 +81,7 @@ def test_disabled_or_unbuildable_falls_back(tmp_path):
     """No compiler (or PAGEDJAX_NATIVE_ATTENTION=0): available() is False and auto is ragged."""
     code = ("from pallas_kernels.paged_attention import cpu_native as c, ops; import jax.numpy as jnp; "
             "print(c.available(), ops.native_supported(jnp.float32, jnp.float32))")
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), PAGEDJAX_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), PAGEDJAX_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
     assert "no C++ compiler found" in out.stderr
