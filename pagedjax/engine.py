@@ -75,7 +75,7 @@ class LLMEngine:
         self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None
                                  else int(cfg.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_token)
         max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
-        self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.prefill_row_tokens)
         self.pool = BlockPool(cfg.num_blocks, block_size, cfg.enable_prefix_caching and not dense)
         self.scheduler = Scheduler(self.pool, self.buckets, cfg.max_model_len)
         if dense:

@@ -18,8 +18,9 @@ from pagedjax.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's work: request i computes tokens [start_i, start_i + q_lens[i]). The first
-    `num_decode` requests are decode rows (one token each), the rest prompt chunks."""
+    """One step's work: row i computes tokens [start_i, start_i + q_lens[i]) of requests[i].
+    The first `num_decode` rows are decode rows (one token each), the rest prompt chunks, in
+    order; a request's prompt may take several consecutive rows."""
 
     requests: list[Request]
     starts: list[int]
@@ -99,14 +100,15 @@ class Scheduler:
                                [1] * len(decode) + q_lens, len(decode), self._copies)
 
     def _schedule_prefill(self) -> tuple[list[Request], list[int], list[int]]:
+        """Prompt rows of partly prefilled, then waiting requests, in order, while the step has
+        room; a request's prompt may take several rows (chunks of max_prefill_q tokens)."""
         reqs, starts, q_lens = [], [], []
-        max_q_chunk = self.buckets.max_prefill_q
         partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in partial:
-            q = min(req.num_tokens - req.num_computed_tokens, max_q_chunk)
-            if not self._fits(len(reqs) + 1, max(q_lens + [q])) or not self._grow(req, req.num_computed_tokens, q):
+            rows = self._plan_rows(req, req.num_computed_tokens, q_lens)
+            if not rows or not self._grow(req, req.num_computed_tokens, sum(rows)):
                 break
-            reqs.append(req), starts.append(req.num_computed_tokens), q_lens.append(q)
+            self._add_rows(req, req.num_computed_tokens, rows, reqs, starts, q_lens)
         seats = self.num_seats_taken()
         while self.waiting:
             req = self.waiting[0]
@@ -114,10 +116,10 @@ class Scheduler:
                 break  # room for the request and the sequences it will fork
             hits = self._match_prefix(req)
             start = len(hits) * self.block_size
-            q = min(req.num_tokens - start, max_q_chunk)
-            if not self._fits(len(reqs) + 1, max(q_lens + [q])):
+            rows = self._plan_rows(req, start, q_lens)
+            if not rows:
                 break
-            need = cdiv(start + q, self.block_size) - len(hits)
+            need = cdiv(start + sum(rows), self.block_size) - len(hits)
             if need > self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits):
                 break
             for b in hits:
@@ -134,8 +136,28 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             seats += 1 + req.reserved_seats
-            reqs.append(req), starts.append(start), q_lens.append(q)
+            self._add_rows(req, start, rows, reqs, starts, q_lens)
         return reqs, starts, q_lens
+
+    def _plan_rows(self, req: Request, start: int, q_lens: list[int]) -> list[int]:
+        """Query lengths of the rows req's tokens from `start` take in this step: chunks of
+        max_prefill_q while the prompt grid (already holding q_lens) has room; maybe none."""
+        left, rows, chunk = req.num_tokens - start, [], self.buckets.max_prefill_q
+        max_q = max(q_lens, default=0)
+        while left > 0:
+            q = min(left, chunk)
+            if not self._fits(len(q_lens) + len(rows) + 1, max(max_q, q)):
+                break
+            rows.append(q)
+            left -= q
+            max_q = max(max_q, q)
+        return rows
+
+    @staticmethod
+    def _add_rows(req: Request, start: int, rows: list[int], reqs: list, starts: list, q_lens: list) -> None:
+        for q in rows:
+            reqs.append(req), starts.append(start), q_lens.append(q)
+            start += q
 
     def _schedule_decode(self) -> list[Request]:
         """Running requests with exactly one token to go, their next slot ready."""
@@ -155,8 +177,8 @@ class Scheduler:
         """Running sequences plus the seats they hold for sequences they will fork."""
         return len(self.running) + sum(r.reserved_seats for r in self.running)
 
-    def _fits(self, num_seqs: int, max_q: int) -> bool:
-        return self.buckets.prefill_fits(num_seqs, max_q)
+    def _fits(self, num_rows: int, max_q: int) -> bool:
+        return self.buckets.prefill_fits(num_rows, max_q)
 
     def _grow(self, req: Request, start: int, q: int) -> bool:
         """Readies req's blocks for writing positions [start, start + q): allocates the blocks

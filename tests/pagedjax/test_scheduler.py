@@ -106,6 +106,17 @@ def test_chunked_prefill_splits_long_prompts():
     assert chunks == [16, 16, 8]
 
 
+def test_long_prompt_takes_several_rows_of_one_step():
+    pool = BlockPool(32, 4, True)
+    s = Scheduler(pool, Buckets(2, 64, 64, prefill_row_tokens=16), 64)
+    a, b = req("a", 40), req("b", 10, start=300)
+    s.add(a), s.add(b)
+    out = run_step(s)
+    assert out.requests == [a, a, a, b] and out.starts == [0, 16, 32, 0] and out.q_lens == [16, 16, 8, 10]
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]  # one token each, from its last row
+    assert len(a.block_ids) == 10 and a.num_computed_tokens == 40
+
+
 def test_prompt_chunks_share_the_step_with_running_decodes():
     s = make(budget=16, max_model_len=64, num_blocks=32)
     short = req("short", 3, max_tokens=20)
