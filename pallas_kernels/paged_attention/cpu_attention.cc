@@ -5,12 +5,15 @@
 //   kv_lens [S] i32, q_lens [S] i32  ->  out [S, Q, H, D] f32.
 // Query j of sequence s sits at position kv_lens[s] - q_lens[s] + j and attends causally to
 // keys 0..that position (and < kv_lens[s]); padding slots and empty sequences give zeros.
+// Table entries past a sequence's keys are never read; out-of-range entries in use are
+// clamped to [0, NB) (as the ragged path does).
 //
 // One task per (sequence, kv head): it walks the sequence's pages once, up to the last key
 // any of its queries sees, and keeps an online softmax (max, sum, accumulator) per query row.
 // Work follows each sequence's own length. Tasks are shared between the calling thread and
-// XLA's intra-op thread pool. Built at first use by cpu_native.py (g++ -O3 -march=native
-// -ffast-math: every value stays finite, see kNoMax).
+// XLA's intra-op thread pool. Built at first use by cpu_native.py (g++ -O3 -march=native;
+// no -ffast-math: with GCC 12 it links crtfastmath.o, which turns on flush-to-zero for the
+// whole process).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -55,8 +58,8 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   if (q_len <= 0 || kv_len <= 0) return;
   const int64_t first_pos = kv_lens[seq] - q_lens[seq];
   const int64_t rows = q_len * g_count;
-  // A finite "minus infinity" keeps the arithmetic finite (built with -ffast-math): the first
-  // page's rescale factor exp(kNoMax - max) underflows to exactly 0.
+  // A finite "minus infinity": the first page's rescale factor exp(kNoMax - max) is exactly 0
+  // (no inf - inf).
   std::vector<float> m(rows, kNoMax), l(rows, 0.f);
   std::vector<float> acc(rows * d, 0.f), qs(rows * d), sc(bs);
   std::vector<int64_t> limit(q_len);  // last key position each query slot sees
@@ -158,11 +161,18 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
+  auto vd = v_pages.dimensions();
   auto td = block_tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
+  auto kld = kv_lens.dimensions();
+  auto qld = q_lens.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || kld.size() != 1 ||
+      qld.size() != 1)
     return ffi::Error::InvalidArgument("paged attention: bad ranks");
   Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1]};
-  if (kd[3] != sh.d || sh.h % sh.hkv != 0 || td[0] != sh.s)
+  bool same_pages = true;
+  for (int i = 0; i < 4; ++i) same_pages = same_pages && kd[i] == vd[i];
+  if (!same_pages || sh.hkv <= 0 || sh.nb <= 0 || sh.bs <= 0 || kd[3] != sh.d || sh.h % sh.hkv != 0 ||
+      td[0] != sh.s || kld[0] != sh.s || qld[0] != sh.s)
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
   const float* qp = q.typed_data();
   const float* kp = k_pages.typed_data();

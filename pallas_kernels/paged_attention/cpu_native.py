@@ -27,7 +27,7 @@ import numpy as np
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "pagedjax_paged_attention_f32"
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffast-math", "-fopenmp-simd", "-w"]
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
 log = logging.getLogger(__name__)
 
 

@@ -88,3 +88,12 @@ def test_disabled_or_unbuildable_falls_back(tmp_path):
     env = dict(os.environ, PAGEDJAX_NATIVE_ATTENTION="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_loading_the_kernel_keeps_denormals():
+    """The library must not switch the process to flush-to-zero (gcc's crtfastmath.o does that
+    for -ffast-math builds)."""
+    code = ("import numpy as np; from pallas_kernels.paged_attention import cpu_native as c; "
+            "assert c.available(); print(float(np.float32(1e-38) / np.float32(100)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) > 0
