@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_attention
-from pallas_kernels.paged_attention.cpu_native import paged_attention_native
-from pallas_kernels.paged_attention.ops import native_supported, paged_attention
+from pallas_kernels.paged_attention.ops import paged_attention
 from pallas_kernels.paged_attention.reference import write_kv
 
 
@@ -66,9 +65,9 @@ class DenseKVCache:
     paged layout with one block of max_model_len tokens per request, so the engine drives it
     through the same block pool and metadata: `block_size` is max_model_len, a request's
     block table is [its slot], and slot_mapping = slot * max_model_len + position. Attention
-    walks each slot in contiguous chunks up to the longest live sequence (`dense_attention`);
-    on CPU with float32 it runs the same native kernel as the paged cache (one page per
-    slot), so the two backends are compared on equal kernels.
+    walks each slot in contiguous chunks up to the longest live sequence (`dense_attention`,
+    which on CPU with float32 runs the paged cache's native kernel, one page per slot, so
+    the two backends are compared on equal kernels).
     """
 
     def __init__(self, num_slots: int, max_model_len: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
@@ -92,12 +91,8 @@ class DenseKVCache:
         s, nq, hkv, d = k.shape
         k_cache, v_cache = write_kv(layer_kv[0], layer_kv[1], k.reshape(s * nq, hkv, d),
                                     v.reshape(s * nq, hkv, d), md.slot_mapping.reshape(-1))
-        if native_supported(q.dtype, k_cache.dtype):  # a slot is one page of max_model_len rows
-            out = paged_attention_native(q, k_cache, v_cache, md.block_tables[:, :1], md.kv_lens, md.q_lens,
-                                         scale=scale)
-        else:
-            out = dense_attention(q, k_cache, v_cache, md.block_tables[:, 0], md.kv_lens, md.q_lens, scale=scale,
-                                  chunk_tokens=self.chunk_tokens)
+        out = dense_attention(q, k_cache, v_cache, md.block_tables[:, 0], md.kv_lens, md.q_lens, scale=scale,
+                              chunk_tokens=self.chunk_tokens)
         return (k_cache, v_cache), out
 
 

@@ -59,9 +59,7 @@ class ModelRunner:
             row = r if g == 0 else shape[0][0] + r
             sampling.fill(row, req)
             rows.append(row)
-        segments = [(g["tokens"], AttentionMetadata(g["positions"], g["slots"], g["tables"], g["kv_lens"], g["q_lens"]))
-                    for g in grids]
-        return segments, sampling.inputs(), self._copy_arrays(out.copies, num_rows), rows
+        return _segments(grids), sampling.inputs(), self._copy_arrays(out.copies, num_rows), rows
 
     def _grid(self, s: int, q: int) -> dict[str, np.ndarray]:
         return {"tokens": np.zeros((s, q), np.int32), "positions": np.zeros((s, q), np.int32),
@@ -79,7 +77,7 @@ class ModelRunner:
                 g["slots"][i, 0] = blocks[start // bs] * bs + start % bs
         else:
             pos = np.arange(start, start + ql, dtype=np.int32)
-            g["tokens"][i, :ql] = req.all_token_ids[start:start + ql]
+            g["tokens"][i, :ql] = req.token_slice(start, start + ql)
             g["positions"][i, :ql] = pos
             g["slots"][i, :ql] = np.where(pos >= req.num_shared_kv_tokens,
                                           g["tables"][i, pos // bs] * bs + pos % bs, -1)
@@ -108,14 +106,18 @@ class ModelRunner:
         for shape in tqdm(shapes, desc="compiling step buckets", disable=not progress, unit="shape"):
             if shape in self.compiled_shapes:
                 continue
-            grids = [self._grid(s, q) for s, q in shape]
-            segments = [(g["tokens"], AttentionMetadata(g["positions"], g["slots"], g["tables"], g["kv_lens"],
-                                                        g["q_lens"])) for g in grids]
+            segments = _segments([self._grid(s, q) for s, q in shape])
             num_rows = sum(s for s, _ in shape)
             self.kv_caches, result = self._step(self.state, self.kv_caches, segments,
                                                 _SamplingArrays(num_rows).inputs(), self._copy_arrays([], num_rows))
             jax.block_until_ready(result)
             self.compiled_shapes.add(shape)
+
+
+def _segments(grids: list[dict]) -> list[tuple[np.ndarray, AttentionMetadata]]:
+    """Filled host grids -> the step's (tokens [S, Q], AttentionMetadata) segments."""
+    return [(g["tokens"], AttentionMetadata(g["positions"], g["slots"], g["tables"], g["kv_lens"], g["q_lens"]))
+            for g in grids]
 
 
 class _SamplingArrays:

@@ -62,6 +62,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end), without building the whole token list for a prompt range."""
+        if end <= len(self.prompt_token_ids):
+            return self.prompt_token_ids[start:end]
+        return self.all_token_ids[start:end]
+
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.cpu_native import native_supported, paged_attention_native
 from pallas_kernels.paged_attention.reference import (NEG_INF, _fold_gqa, online_softmax_update, query_positions,
                                                       run_online_softmax)
 
@@ -29,14 +30,26 @@ DEFAULT_CHUNK_TOKENS = 128
 
 
 def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
-                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
-    """Causal attention of q over each sequence's slot rows [0, kv_len); see the module doc."""
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, impl: str = "auto"):
+    """Causal attention of q over each sequence's slot rows [0, kv_len); see the module doc.
+
+    impl: "xla" walks the slots in chunks as described above; "native" runs the CPU kernel
+    of the paged cache with one page per slot (float32 on CPU only); "auto" picks "native"
+    where it serves, else "xla".
+    """
     s, nq, h, d = q.shape
     hkv, _, max_len, _ = k_cache.shape
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache shapes differ: {k_cache.shape} vs {v_cache.shape}")
     if h % hkv or k_cache.shape[-1] != d:
         raise ValueError(f"q {q.shape} does not fit a cache of shape {k_cache.shape}")
+    if impl not in ("auto", "native", "xla"):
+        raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'native' or 'xla'")
+    native = native_supported(q.dtype, k_cache.dtype)
+    if impl == "native" and not native:
+        raise ValueError("impl='native' needs the CPU backend, float32 q and cache, and a built kernel")
+    if impl != "xla" and native:  # a slot is one page of max_model_len rows
+        return paged_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, q_lens, scale=scale)
     c = min(chunk_tokens, max_len)
     g = h // hkv
     qg = _fold_gqa(q, hkv).astype(jnp.float32) * scale  # [S, Hkv, G, Q, D]

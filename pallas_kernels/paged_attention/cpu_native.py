@@ -79,9 +79,11 @@ def available() -> bool:
     return True
 
 
-def supports(q, k_pages) -> bool:
-    """The kernel takes float32 queries and pages."""
-    return q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+def native_supported(q_dtype, page_dtype) -> bool:
+    """The kernel serves this call: CPU backend, float32 q and pages, kernel built."""
+    f32 = jnp.dtype(jnp.float32)
+    return (jax.default_backend() == "cpu" and jnp.dtype(q_dtype) == f32 and jnp.dtype(page_dtype) == f32
+            and available())
 
 
 def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale):

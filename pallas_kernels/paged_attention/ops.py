@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from . import cpu_native, ragged, reference
+from .cpu_native import native_supported
 from .pallas_gpu import gpu_supported, paged_decode_attention_gpu
 from .pallas_gpu_prefill import paged_prefill_attention_gpu
 from .pallas_tpu import paged_decode_attention_tpu, tpu_supported
@@ -83,13 +84,6 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl):
         _check_int32("q_lens", q_lens)
         if q_lens.shape[0] != s:
             raise ValueError(f"sequence counts differ: q has {s}, q_lens {q_lens.shape[0]}")
-
-
-def native_supported(q_dtype, page_dtype) -> bool:
-    """The native C++ kernel serves this call: CPU backend, float32, kernel built."""
-    f32 = jnp.dtype(jnp.float32)
-    return (jax.default_backend() == "cpu" and jnp.dtype(q_dtype) == f32 and jnp.dtype(page_dtype) == f32
-            and cpu_native.available())
 
 
 def _resolve(impl, q_dtype, page_size, page_dtype):

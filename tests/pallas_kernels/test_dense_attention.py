@@ -35,7 +35,7 @@ def test_matches_paged_reference(max_len, chunk, nq):
     lens = [1, max_len, 17, 0, max_len - 3, 32]
     q_lens = [1, nq, min(nq, 17), 0, nq, 1]
     q, k, v, slots, kv_lens, ql = _case(8, max_len, lens, q_lens, nq)
-    got = dense_attention(q, k, v, slots, kv_lens, ql, scale=0.25, chunk_tokens=chunk)
+    got = dense_attention(q, k, v, slots, kv_lens, ql, scale=0.25, chunk_tokens=chunk, impl="xla")
     want = paged_attention_reference(q, k, v, slots[:, None], kv_lens, ql, scale=0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     assert not np.asarray(got)[3].any()  # padding row: zeros
@@ -44,11 +44,11 @@ def test_matches_paged_reference(max_len, chunk, nq):
 def test_reads_only_rows_below_kv_len():
     """Rows past each sequence's length (the rest of its reservation) never matter."""
     q, k, v, slots, kv_lens, ql = _case(4, 64, [10, 33], [1, 1], 1)
-    got = dense_attention(q, k, v, slots, kv_lens, ql, scale=0.3, chunk_tokens=16)
+    got = dense_attention(q, k, v, slots, kv_lens, ql, scale=0.3, chunk_tokens=16, impl="xla")
     rows = jnp.arange(64)[None, None, :, None]
     k2, v2 = jnp.where(rows >= 33, 1e4, k), jnp.where(rows >= 33, -1e4, v)  # stale rows: large, finite
     k2, v2 = jnp.where(rows >= 48, jnp.nan, k2), jnp.where(rows >= 48, jnp.nan, v2)  # chunks never visited
-    again = dense_attention(q, k2, v2, slots, kv_lens, ql, scale=0.3, chunk_tokens=16)
+    again = dense_attention(q, k2, v2, slots, kv_lens, ql, scale=0.3, chunk_tokens=16, impl="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
 
 
@@ -64,6 +64,6 @@ def test_write_then_attend_jitted():
     k, v = write_kv(k, v, new_k, new_v, slot_mapping)
     q = jnp.asarray(rng.standard_normal((1, 5, HKV, d)), jnp.float32)
     args = (q, k, v, jnp.asarray([2], jnp.int32), jnp.asarray([5], jnp.int32), jnp.asarray([5], jnp.int32))
-    got = jax.jit(lambda *a: dense_attention(*a, scale=1.0, chunk_tokens=16))(*args)
+    got = jax.jit(lambda *a: dense_attention(*a, scale=1.0, chunk_tokens=16, impl="xla"))(*args)
     want = paged_attention_reference(q, k, v, args[3][:, None], args[4], args[5], scale=1.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention, paged_attention_reference, paged_decode_attention
+from pallas_kernels import dense_attention, paged_attention, paged_attention_reference, paged_decode_attention
 from pallas_kernels.paged_attention import cpu_native
 from pallas_kernels.paged_attention.ops import native_supported
 from test_paged_attention import BF16, F32, _exact_f32_matmuls, assert_close  # noqa: F401
@@ -47,7 +47,10 @@ def test_one_page_per_sequence_is_the_dense_layout():
     k = jnp.asarray(rng.standard_normal((2, 5, 100, 16)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((2, 5, 100, 16)), jnp.float32)
     slots, kv_lens, q_lens = jnp.asarray([[4], [0], [2]], jnp.int32), jnp.asarray([100, 3, 57]), jnp.asarray([1, 3, 4])
-    check(native, (q, k, v, slots, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32)), F32)
+    args = (q, k, v, slots, kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32))
+    out = check(native, args, F32)
+    dense = dense_attention(q, k, v, slots[:, 0], *args[4:], scale=0.2)  # auto: the same kernel
+    np.testing.assert_array_equal(np.asarray(dense), np.asarray(out))
 
 
 def test_auto_picks_native_on_cpu_for_float32_only():
