@@ -1,8 +1,9 @@
 """KV cache layouts the model layers write to and attend over.
 
-A model layer calls `cache.update_and_attend(layer_kv, q, k, v, md)`; the layout (paged
+A model layer calls `cache.update_and_attend(kv, layer, q, k, v, md)`; the layout (paged
 blocks or dense per-slot rows) is the cache object's business, so one model definition
-serves both backends.
+serves both backends. Both keep every layer in one k and one v array, so the layers run
+under one `jax.lax.scan` with the cache threaded through it and updated in place.
 """
 from __future__ import annotations
 
@@ -11,55 +12,59 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_attention
-from pallas_kernels.paged_attention.ops import paged_attention
+from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_packed_attention
+from pallas_kernels.paged_attention.ops import packed_paged_attention
 from pallas_kernels.paged_attention.reference import write_kv
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step batch description (all int32, padded to the step's bucket).
+    """One step's packed batch (all int32, padded to the step's bucket).
 
-    positions    [S, Q]  absolute position of each query token
-    slot_mapping [S, Q]  cache slot the token's K/V goes to (-1: padding, not written)
-    block_tables [S, MB] physical block of each logical block (paged) / slot index (dense)
-    kv_lens      [S]     tokens in the cache for the sequence after this step's writes
-    q_lens       [S]     valid query tokens of the sequence in this step (0: padding row)
+    positions    [T]       absolute position of each token (padding: 0)
+    slot_mapping [T]       cache slot the token's K/V goes to, block * BS + offset (-1: not written)
+    block_tables [S, MB]   physical block of each logical block (paged) / the slot (dense)
+    kv_lens      [S]       tokens in the cache for the sequence after this step's writes
+    cu_q_lens    [S + 1]   sequence s owns tokens [cu_q_lens[s], cu_q_lens[s + 1]) of the step
     """
 
     positions: jax.Array
     slot_mapping: jax.Array
     block_tables: jax.Array
     kv_lens: jax.Array
-    q_lens: jax.Array
+    cu_q_lens: jax.Array
 
 
-LayerKV = tuple[jax.Array, jax.Array]  # (k, v) cache arrays of one layer
+KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [Hkv, L * NB, BS, D]: every layer's blocks
 
 
 class PagedKVCache:
-    """Paged layout: per layer k, v of shape [Hkv, num_blocks, block_size, D]."""
+    """Paged layout: one k and one v array of shape [Hkv, L * num_blocks, block_size, D].
+
+    Layer l's block b is block l * num_blocks + b of the array, so a layer reads and writes
+    the whole pool through its block tables offset by l * num_blocks: no per-layer slice or
+    copy of the pool, and the layers can run under one scan with the cache updated in place.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, attention_impl: str = "auto"):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.attention_impl = attention_impl
 
-    def layer_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_kv_heads, self.num_blocks, self.block_size, head_dim)
+    def shape(self, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, num_layers * self.num_blocks, self.block_size, head_dim)
 
-    def update_and_attend(self, layer_kv: LayerKV, q, k, v, md: AttentionMetadata, *, scale):
-        """q [S,Q,H,D], k/v [S,Q,Hkv,D] -> (new layer_kv, out [S,Q,H,D])."""
-        s, nq, hkv, d = k.shape
-        k_pages, v_pages = write_kv(layer_kv[0], layer_kv[1], k.reshape(s * nq, hkv, d),
-                                    v.reshape(s * nq, hkv, d), md.slot_mapping.reshape(-1))
-        out = _paged_attention(q, k_pages, v_pages, md, scale, self.attention_impl)
-        return (k_pages, v_pages), out
+    def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale):
+        """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D])."""
+        k_all, v_all, tables = _write(kv, layer, self.num_blocks, self.block_size, k, v, md)
+        out = packed_paged_attention(q, k_all, v_all, tables, md.kv_lens, md.cu_q_lens, scale=scale,
+                                     impl=self.attention_impl)
+        return (k_all, v_all), out
 
 
 class DenseKVCache:
-    """Dense layout: per layer k, v of shape [Hkv, num_slots, max_model_len, D].
+    """Dense layout: one k and one v array of shape [Hkv, L * num_slots, max_model_len, D].
 
     Each admitted request owns one slot of max_model_len rows for its whole life. This is the
     paged layout with one block of max_model_len tokens per request, so the engine drives it
@@ -83,45 +88,49 @@ class DenseKVCache:
     def block_size(self) -> int:
         return self.max_model_len
 
-    def layer_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_kv_heads, self.num_slots, self.max_model_len, head_dim)
+    def shape(self, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, num_layers * self.num_slots, self.max_model_len, head_dim)
 
-    def update_and_attend(self, layer_kv: LayerKV, q, k, v, md: AttentionMetadata, *, scale):
-        """q [S,Q,H,D], k/v [S,Q,Hkv,D] -> (new layer_kv, out [S,Q,H,D])."""
-        s, nq, hkv, d = k.shape
-        k_cache, v_cache = write_kv(layer_kv[0], layer_kv[1], k.reshape(s * nq, hkv, d),
-                                    v.reshape(s * nq, hkv, d), md.slot_mapping.reshape(-1))
-        out = dense_attention(q, k_cache, v_cache, md.block_tables[:, 0], md.kv_lens, md.q_lens, scale=scale,
-                              chunk_tokens=self.chunk_tokens)
-        return (k_cache, v_cache), out
+    def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale):
+        """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D])."""
+        k_all, v_all, tables = _write(kv, layer, self.num_slots, self.max_model_len, k, v, md)
+        out = dense_packed_attention(q, k_all, v_all, tables[:, 0], md.kv_lens, md.cu_q_lens, scale=scale,
+                                     chunk_tokens=self.chunk_tokens)
+        return (k_all, v_all), out
 
 
-def _paged_attention(q, k_pages, v_pages, md, scale, impl):
-    return paged_attention(q, k_pages, v_pages, md.block_tables, md.kv_lens, md.q_lens, scale=scale, impl=impl)
+def _write(kv: KVCache, layer, num_blocks: int, block_size: int, k, v, md: AttentionMetadata):
+    """Scatters the step's k/v into layer `layer`'s blocks; returns (k_all, v_all, the layer's
+    block tables [S, MB] in the stacked array)."""
+    offset = layer * num_blocks
+    slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1)
+    k_all, v_all = write_kv(kv[0], kv[1], k, v, slots)
+    return k_all, v_all, md.block_tables + offset
 
 
-def init_kv_caches(cache, num_layers: int, num_kv_heads: int, head_dim: int, dtype, sharding=None) -> list[LayerKV]:
-    """Zeroed per-layer (k, v) arrays for `cache` (PagedKVCache or DenseKVCache)."""
-    shape = cache.layer_shape(num_kv_heads, head_dim)
+def init_kv_cache(cache, num_layers: int, num_kv_heads: int, head_dim: int, dtype, sharding=None) -> KVCache:
+    """Zeroed (k, v) arrays for `cache` (PagedKVCache or DenseKVCache)."""
+    shape = cache.shape(num_layers, num_kv_heads, head_dim)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(make(), make()) for _ in range(num_layers)]
+    return make(), make()
 
 
-def copy_blocks(kv_caches: list[LayerKV], src: jax.Array, dst: jax.Array) -> list[LayerKV]:
-    """Copy-on-write: block src[i] -> dst[i] in every layer (both layouts are [Hkv, NB, BS, D]).
+def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy-on-write: block src[i] -> dst[i] in every layer (both layouts).
 
     src, dst: [C] int32; the real copies come first, then padding entries with dst out of
-    range (>= NB). A loop over the real copies only, each an in-place slice update: a step
-    with no copies costs nothing (gathering all C entries every step cost ~200 ms per step
-    for dense slots of 2048 rows on CPU).
+    range (>= NB). A loop over the real copies only, each an in-place slice update of all
+    layers at once: a step with no copies costs nothing.
     """
-    num_blocks = kv_caches[0][0].shape[1]
+    hkv, total, bs, d = kv[0].shape
+    num_blocks = total // num_layers
 
     def body(i, caches):
         def copy(x):
-            block = jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=1)
-            return jax.lax.dynamic_update_slice_in_dim(x, block, dst[i], axis=1)
+            x = x.reshape(hkv, num_layers, num_blocks, bs, d)  # a view: layer l's blocks on axis 2
+            block = jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=2)
+            return jax.lax.dynamic_update_slice_in_dim(x, block, dst[i], axis=2).reshape(hkv, total, bs, d)
 
-        return [(copy(k), copy(v)) for k, v in caches]
+        return tuple(copy(x) for x in caches)
 
-    return jax.lax.fori_loop(0, jnp.sum(dst < num_blocks), body, kv_caches)
+    return jax.lax.fori_loop(0, jnp.sum(dst < num_blocks), body, tuple(kv))

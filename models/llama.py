@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.kv_cache import AttentionMetadata, LayerKV
+from models.kv_cache import AttentionMetadata, KVCache
 
 
 def rms_norm(x, weight, eps):
@@ -43,9 +43,6 @@ def apply_rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]).astype(x.dtype)
 
 
-Segment = tuple[jax.Array, AttentionMetadata]  # (tokens [S, Q], metadata): one padded grid of a step
-
-
 def _param(arrays: dict, name: str, dtype):
     return nnx.Param(jnp.asarray(arrays[name], dtype=dtype))
 
@@ -59,8 +56,8 @@ class Attention(nnx.Module):
         for name in ("bqkv", "bo", "q_norm", "k_norm"):
             setattr(self, name, _param(arrays, name, dtype) if name in arrays else None)
 
-    def __call__(self, x, cos, sin, layer_kv: LayerKV, segments: list[tuple[int, int, AttentionMetadata]], cache):
-        """x [T,E] (the segments' tokens, flattened and concatenated) -> (new layer_kv, out [T,E])."""
+    def __call__(self, x, cos, sin, kv: KVCache, layer, md: AttentionMetadata, cache):
+        """x [T,E] (the step's packed tokens) -> (new kv, out [T,E])."""
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.wqkv[...])
@@ -73,17 +70,11 @@ class Attention(nnx.Module):
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs, off = [], 0
-        for s, nq, md in segments:  # attention per padded grid (decode rows, prompt chunks)
-            sl = slice(off, off + s * nq)
-            layer_kv, o = cache.update_and_attend(layer_kv, q[sl].reshape(s, nq, h, d), k[sl].reshape(s, nq, hkv, d),
-                                                  v[sl].reshape(s, nq, hkv, d), md, scale=d ** -0.5)
-            outs.append(o.reshape(s * nq, h * d))
-            off += s * nq
-        out = linear(jnp.concatenate(outs), self.wo[...])
+        kv, o = cache.update_and_attend(kv, layer, q, k, v, md, scale=d ** -0.5)  # o [T, H, D]
+        out = linear(o.reshape(t, h * d), self.wo[...])
         if self.bo is not None:
             out = out + self.bo[...]
-        return layer_kv, out
+        return kv, out
 
 
 class MLP(nnx.Module):
@@ -104,43 +95,45 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, arrays, dtype)
         self.mlp = MLP(arrays, dtype)
 
-    def __call__(self, x, cos, sin, layer_kv, segments, cache):
-        layer_kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, layer_kv, segments, cache)
+    def __call__(self, x, cos, sin, kv, layer, md, cache):
+        kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, kv, layer, md, cache)
         x = x + h
         x = x + self.mlp(rms_norm(x, self.post_attention_norm[...], self.eps))
-        return layer_kv, x
+        return kv, x
 
 
 class CausalLM(nnx.Module):
-    """Decoder-only LM. Build it from converted arrays with `models.load_model`."""
+    """Decoder-only LM. Build it from converted arrays with `models.load_model`.
+
+    The decoder layers are stored stacked: one DecoderLayer whose parameters carry a leading
+    layer axis [L, ...], run under `jax.lax.scan` (one layer body to compile, whatever L).
+    """
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32):
         self.config = cfg
         self.embed = _param(arrays, "embed", dtype)  # [V, E]
-        self.layers = nnx.List([DecoderLayer(cfg, layer, dtype) for layer in arrays["layers"]])
+        layers = arrays["layers"]
+        stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
+        self.layers = DecoderLayer(cfg, stacked, dtype)  # every parameter [L, ...]
         self.norm = _param(arrays, "norm", dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(arrays, "lm_head", dtype)  # [V, E]
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
 
-    def __call__(self, tokens, md: AttentionMetadata, kv_caches: list[LayerKV], cache):
-        """tokens [S,Q] -> (hidden [S,Q,E] after the final norm, new kv_caches)."""
-        hidden, kv_caches = self.forward_segments([(tokens, md)], kv_caches, cache)
-        return hidden.reshape(*tokens.shape, -1), kv_caches
-
-    def forward_segments(self, segments: list[Segment], kv_caches: list[LayerKV], cache):
-        """Several padded grids in one pass (e.g. decode rows [Sd, 1] and prompt chunks [Sp, Q]):
-        matmuls run on all their tokens at once, attention per grid. Returns (hidden [T, E]
-        for the flattened, concatenated tokens after the final norm, new kv_caches)."""
-        tokens = jnp.concatenate([t.reshape(-1) for t, _ in segments])  # [T]
-        positions = jnp.concatenate([md.positions.reshape(-1) for _, md in segments])
-        shapes = [(t.shape[0], t.shape[1], md) for t, md in segments]
+    def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache):
+        """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv)."""
         x = self.embed[...][tokens]  # [T, E]
-        cos, sin = rope_cos_sin(positions, self.inv_freq[...])
-        new_caches = []
-        for layer, layer_kv in zip(self.layers, kv_caches):
-            layer_kv, x = layer(x, cos, sin, layer_kv, shapes, cache)
-            new_caches.append(layer_kv)
-        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), new_caches
+        cos, sin = rope_cos_sin(md.positions, self.inv_freq[...])
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, kv = carry
+            layer_state, i = xs
+            kv, x = nnx.merge(graphdef, layer_state)(x, cos, sin, kv, i, md, cache)
+            return (x, kv), None
+
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(body, (x, tuple(kv)), (stacked, layer_ids))
+        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv
 
     def logits(self, hidden):
         """hidden [..., E] -> float32 logits [..., V]."""

@@ -1,34 +1,28 @@
 """The fixed, enumerable set of step shapes the jitted step is compiled for.
 
-A step is one or two padded grids of tokens, [S, Q]: S rows, Q query tokens each.
-A decode-only step is one grid [Sd, 1] with Sd on a power-of-two ladder. A step with prompt
-work has a decode grid of max_num_seqs rows (idle rows cost little) plus a prompt grid
-[Sp, Qp] with Sp and Qp from power-of-two ladders, so decodes and prompt chunks share the
-step. A prompt row holds at most `prefill_row_tokens` tokens; a longer prompt takes several
-rows of the same step (its later rows attend to the KV its earlier rows write in that
-step), so rows stay nearly full and padding stays small whatever the prompt lengths.
-Everything the scheduler admits lands in one of these buckets, so after warm-up serving
-compiles nothing.
+A step is one packed token axis: the tokens of every scheduled request (a decode token, a
+prompt chunk, or several verification tokens) laid end to end, padded to T tokens from one
+short ladder, with S = min(T, max_num_seqs) sequence slots (a step never has more
+sequences than tokens). One compiled shape per rung, whatever mix of decode and prompt work
+a step carries; after warm-up serving compiles nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_PREFILL_Q = 16
-PREFILL_ROW_TOKENS = 128  # longest query chunk of one prompt row
+MIN_TOKENS = 16
+_HALF_STEPS_UP_TO = 128  # below this the ladder also has the 1.5x rungs (48, 96): decode batches
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _ladder(lo: int, hi: int) -> list[int]:
-    """Powers of two from lo up to hi, with hi itself added when it is not one."""
-    out, v = [], lo
-    while v < hi:
+def token_ladder(max_tokens: int) -> list[int]:
+    """16, 32, 48, 64, 96, 128, 256, ... up to max_tokens (itself included)."""
+    out, v = [], MIN_TOKENS
+    while v < max_tokens:
         out.append(v)
+        if v >= 32 and v < _HALF_STEPS_UP_TO and v * 3 // 2 < max_tokens:
+            out.append(v * 3 // 2)
         v *= 2
-    out.append(hi)
+    out.append(max_tokens)
     return out
 
 
@@ -36,51 +30,26 @@ def _ladder(lo: int, hi: int) -> list[int]:
 class Buckets:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
-    prefill_row_tokens: int = PREFILL_ROW_TOKENS
 
-    @property
-    def max_prefill_q(self) -> int:
-        """Largest query chunk of one prompt row."""
-        cap = min(self.max_num_batched_tokens, next_pow2(self.max_model_len), self.prefill_row_tokens)
-        return max(MIN_PREFILL_Q, 1 << (cap.bit_length() - 1))
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < MIN_TOKENS:
+            raise ValueError(f"max_num_batched_tokens must be at least {MIN_TOKENS}, got {self.max_num_batched_tokens}")
 
-    @property
-    def max_prefill_rows(self) -> int:
-        """Rows of the prompt grid: a full token budget of max_prefill_q chunks, or max_num_seqs."""
-        return max(self.max_num_seqs, self.max_num_batched_tokens // self.max_prefill_q)
+    def token_buckets(self) -> list[int]:
+        """Every step size T, smallest first."""
+        return token_ladder(self.max_num_batched_tokens)
 
-    def seq_bucket(self, n: int) -> int:
-        return min(next_pow2(n), self.max_num_seqs)
+    def token_bucket(self, num_tokens: int) -> int:
+        """The smallest rung holding num_tokens tokens."""
+        for t in self.token_buckets():
+            if t >= num_tokens:
+                return t
+        raise ValueError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens={self.max_num_batched_tokens}")
 
-    def row_bucket(self, n: int) -> int:
-        return min(next_pow2(n), self.max_prefill_rows)
+    def num_seqs(self, num_tokens: int) -> int:
+        """Sequence slots S of the step of T = num_tokens tokens."""
+        return min(num_tokens, self.max_num_seqs)
 
-    def q_bucket(self, q: int) -> int:
-        return min(max(MIN_PREFILL_Q, next_pow2(q)), self.max_prefill_q)
-
-    def prefill_fits(self, num_rows: int, max_q: int) -> bool:
-        """Whether a prompt grid of this size stays within the rows and the padded token budget."""
-        return num_rows <= self.max_prefill_rows and \
-            self.row_bucket(num_rows) * self.q_bucket(max_q) <= max(self.max_num_batched_tokens, self.max_prefill_q)
-
-    def decode_shapes(self) -> list[tuple[int, int]]:
-        return [(s, 1) for s in _ladder(1, self.max_num_seqs)]
-
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        shapes = []
-        for q in _ladder(MIN_PREFILL_Q, self.max_prefill_q):
-            for s in _ladder(1, self.max_prefill_rows):
-                if s == 1 or s * q <= self.max_num_batched_tokens:
-                    shapes.append((s, q))
-        return shapes
-
-    def step_shape(self, num_decode: int, num_prefill: int, max_q: int) -> tuple[tuple[int, int], ...]:
-        """The grids of a step: ((Sd, 1),) or ((max_num_seqs, 1), (Sp, Qp))."""
-        if not num_prefill:
-            return ((self.seq_bucket(num_decode), 1),)
-        return ((self.max_num_seqs, 1), (self.row_bucket(num_prefill), self.q_bucket(max_q)))
-
-    def all_shapes(self) -> list[tuple[tuple[int, int], ...]]:
-        return ([(shape,) for shape in self.decode_shapes()]
-                + [((self.max_num_seqs, 1), shape) for shape in self.prefill_shapes()])
+    def all_shapes(self) -> list[tuple[int, int]]:
+        """(T, S) of every compiled step."""
+        return [(t, self.num_seqs(t)) for t in self.token_buckets()]

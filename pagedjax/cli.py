@@ -13,9 +13,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most requests running at once (default: 64; generate: the number of prompts)")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="padded tokens per prefill step")
-    g.add_argument("--prefill-row-tokens", type=int, default=128,
-                   help="longest prompt chunk of one row of a prefill step (power of two >= 16)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, decode and prompt chunks together (default 2048)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes")
     g.add_argument("--kv-cache", choices=["paged", "dense"], default="paged")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -25,7 +24,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs or 64,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                prefill_row_tokens=args.prefill_row_tokens, enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
+                enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
                 seed=args.seed)
 
 

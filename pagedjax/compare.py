@@ -24,11 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from pagedjax import compile_counter
-from pagedjax.block_pool import BlockPool
 from pagedjax.memory import block_map
-from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.scheduler import Scheduler
 
 BACKENDS = ("dense", "paged")
 
@@ -82,32 +79,10 @@ def kv_bytes_per_token(model: str | None, dtype: str = "auto") -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def planned_shapes(engine, requests) -> list[tuple[tuple[int, int], ...]]:
-    """The step shapes (tuples of padded grids) the engine will run for `requests`: its
-    scheduler, dry-run on a fresh pool of the same size with a dummy token for every sample."""
-    pool = engine.pool
-    sched = Scheduler(BlockPool(pool.num_blocks, pool.block_size, pool.enable_prefix_caching),
-                      engine.buckets, engine.max_model_len)
-    for i, (prompt, params) in enumerate(requests):
-        seqs = [Request(f"{i}#{j}", list(prompt), params, 0, ()) for j in range(params.n)]
-        seqs[0].pending_forks, seqs[0].reserved_seats = seqs[1:], params.n - 1  # as LLMEngine.add_request
-        sched.add(seqs[0])
-    shapes, b = set(), engine.buckets
-    while sched.has_unfinished():
-        out = sched.schedule()
-        if out is None:
-            raise RuntimeError("dry run stalled: the scheduler found nothing to run")
-        nd = out.num_decode  # the shape ModelRunner.prepare pads this step to
-        shapes.add(b.step_shape(nd, len(out.requests) - nd, max(out.q_lens[nd:], default=1)))
-        for req, _, token in sched.update(out, [b.max_num_seqs] * len(out.requests)):
-            sched.check_stop(req, token)
-    return sorted(shapes)
-
-
 class BackendRun:
     """One backend working through the workload one engine step at a time, on its own clock:
     the sum of its own `add_request` and `step()` times (the accounting sampled after each
-    step is not counted; compilation happens before, for the shapes `planned_shapes` finds)."""
+    step is not counted; every step bucket is compiled before)."""
 
     def __init__(self, kind: str, model: str | None, workload: Workload, budget_tokens: int, *,
                  block_size: int = 16, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
@@ -122,8 +97,8 @@ class BackendRun:
                                 kv_cache_memory_gb=self.budget_bytes / (1 << 30), **(engine_kwargs or {}))
         assert self.engine.kv_budget_tokens == budget_tokens
         self.requests = workload.requests(self.engine.model_config.vocab_size)
-        self.engine.runner.warmup(planned_shapes(self.engine, self.requests), progress)
-        self.compilations = 0  # during the timed steps (0 when the planned shapes were right)
+        self.engine.warmup(progress)
+        self.compilations = 0  # during the timed steps (0: every bucket was compiled before)
         self.clock = 0.0
         self.timeline: list[dict] = []
         self.first: dict[str, float] = {}

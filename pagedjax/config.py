@@ -15,8 +15,7 @@ class EngineConfig:
     num_blocks: int | None = None  # None: from the KV memory budget; dense: the number of slots
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_batched_tokens: int | None = None  # None: 2048 (padded tokens in one prefill step)
-    prefill_row_tokens: int = 128  # longest prompt chunk of one row; longer prompts take several rows
+    max_num_batched_tokens: int | None = None  # None: 2048 (tokens of one step, padding included)
     enable_prefix_caching: bool = True
     kv_cache: str = "paged"  # "dense": one max_model_len slot per request, block_size unused
     dtype: str = "auto"
@@ -29,11 +28,8 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                     "prefill_row_tokens"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
             positive(name, getattr(self, name))
-        if self.prefill_row_tokens & (self.prefill_row_tokens - 1) or self.prefill_row_tokens < 16:
-            raise ValueError(f"prefill_row_tokens must be a power of two >= 16, got {self.prefill_row_tokens}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:

@@ -75,7 +75,7 @@ class LLMEngine:
         self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None
                                  else int(cfg.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_token)
         max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
-        self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.prefill_row_tokens)
+        self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens)
         self.pool = BlockPool(cfg.num_blocks, block_size, cfg.enable_prefix_caching and not dense)
         self.scheduler = Scheduler(self.pool, self.buckets, cfg.max_model_len)
         if dense:
@@ -160,18 +160,18 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one model step; returns the outputs of requests that changed."""
+        self.scheduler.token_budget = self.runner.ready_tokens() or self.buckets.max_num_batched_tokens
         out = self.scheduler.schedule()
         if out is None:
             return []
-        result, rows = self.runner.execute(out)
+        result = self.runner.execute(out)
         self.num_steps += 1
         self.num_computed_prompt_tokens += out.num_prefill_tokens
-        produced = self.scheduler.update(out, result.tokens[rows].tolist())
+        produced = self.scheduler.update(out, result.tokens[:len(out.requests)].tolist())
         touched: dict[str, _Group] = {}
         beams_touched: dict[int, BeamGroup] = {}
         now = time.monotonic()
-        for req, i, token in produced:
-            row = rows[i]
+        for req, row, token in produced:
             if req.params.logprobs is not None:
                 k = req.params.logprobs
                 entry = {int(t): float(lp) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])}
@@ -259,9 +259,20 @@ class LLMEngine:
         self._group_of.pop(seq.req.request_id, None)
 
     # -- compile & stats ------------------------------------------------------------------
-    def warmup(self, progress: bool = True) -> None:
-        """Compiles the step for every bucket so that serving compiles nothing afterwards."""
-        self.runner.warmup(self.buckets.all_shapes(), progress)
+    def warmup(self, progress: bool = True, background: bool = False) -> None:
+        """Compiles the step for every bucket so that serving compiles nothing afterwards.
+
+        background: compile the smallest bucket now and the others on a background thread;
+        steps stay within the compiled buckets meanwhile (prompts take smaller chunks), so
+        serving starts at once and never compiles on the request path."""
+        if background:
+            self.runner.start_background_warmup()
+        else:
+            self.runner.warmup(progress)
+
+    def wait_for_warmup(self) -> None:
+        """Blocks until a background warm-up has compiled every bucket."""
+        self.runner.wait_for_warmup()
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -280,6 +291,8 @@ class LLMEngine:
             "num_cow_copies": self.pool.num_cow_copies,
             "num_compilations": compile_counter.num_compilations(),
             "num_compiled_shapes": len(self.runner.compiled_shapes),
+            "num_step_shapes": len(self.buckets.token_buckets()),
+            "warmup_done": self.runner.warmup_done and len(self.runner.compiled_shapes) == len(self.buckets.token_buckets()),
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "num_computed_prompt_tokens": self.num_computed_prompt_tokens,

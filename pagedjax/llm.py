@@ -11,8 +11,10 @@ from pagedjax.sampling_params import SamplingParams
 
 
 class LLM:
-    """Batch generation on one engine. `warmup=True` compiles every step bucket before the
-    first batch, so later batches of any size and length within the limits compile nothing."""
+    """Batch generation on one engine. `warmup=True` compiles the smallest step bucket at
+    once and the others on a background thread: generation starts right away (steps stay
+    within the compiled buckets meanwhile) and, once `wait_for_warmup()` returns, batches of
+    any size and length within the limits compile nothing."""
 
     def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
@@ -23,8 +25,14 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching, kv_cache=kv_cache, dtype=dtype,
                                 seed=seed, **kwargs)
-        self._warmup_pending = warmup
+        self._warmup_pending = False
+        if warmup:
+            self.engine.warmup(background=True)
         self._ids = itertools.count()
+
+    def wait_for_warmup(self) -> None:
+        """Blocks until every step bucket is compiled (e.g. before timing a run)."""
+        self.engine.wait_for_warmup()
 
     @property
     def tokenizer(self):

@@ -1,87 +1,172 @@
-"""Host batch preparation and the one jitted step (model forward + on-device sampling)."""
+"""Host batch preparation and the one jitted step (model forward + on-device sampling).
+
+A step is a packed token axis (see buckets.py): ModelRunner.prepare lays the scheduled
+requests' tokens end to end in numpy, padded to the step's bucket, and the step runs the
+compiled executable of that bucket. Executables are compiled ahead of time per bucket
+(`compile_bucket`), in the foreground or by a background thread (`start_background_warmup`);
+`ready_tokens` tells the scheduler the largest step it may build without compiling.
+"""
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.kv_cache import AttentionMetadata, copy_blocks, init_kv_caches
+from models.kv_cache import AttentionMetadata, copy_blocks, init_kv_cache
 from pagedjax.buckets import Buckets
 from pagedjax.sampler import SamplingInputs, sample
 from pagedjax.scheduler import SchedulerOutput
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInputs:
+    """The model inputs of one packed step."""
+
+    tokens: jax.Array  # [T] int32
+    md: AttentionMetadata
+    logits_indices: jax.Array  # [S] int32: each sequence's last token (its logits are sampled)
+
+
 class ModelRunner:
-    """Owns the model parameters, the device KV cache and the compiled step functions."""
+    """Owns the model parameters, the device KV cache and the compiled step executables."""
 
     def __init__(self, model, buckets: Buckets, cache, max_blocks_per_seq: int, kv_dtype, mesh: Mesh | None = None):
         cfg = model.config
+        self.num_layers = cfg.num_layers
         self.buckets = buckets
         self.cache = cache
-        self.block_size = getattr(cache, "block_size", 1)
+        self.block_size = cache.block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("tp",))
         replicated = NamedSharding(self.mesh, P())
         self.graphdef, state = nnx.split(model)
         self.state = jax.device_put(state, replicated)
         kv_sharding = NamedSharding(self.mesh, P("tp") if cfg.num_kv_heads % self.mesh.size == 0 else P())
-        self.kv_caches = init_kv_caches(cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding)
+        self.kv = init_kv_cache(cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding)
+        self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                   (self.state, self.kv))
         self._step = jax.jit(self._forward, donate_argnums=(1,))
-        self.compiled_shapes: set[tuple[tuple[int, int], ...]] = set()  # grid shapes of each compiled step
+        self._executables: dict[int, object] = {}  # T bucket -> compiled step
+        self._compile_lock = threading.Lock()
+        self._warmup_thread: threading.Thread | None = None
+        self.warmup_error: BaseException | None = None
 
-    def _forward(self, state, kv_caches, segments, sampling: SamplingInputs, copies):
-        """segments: [(tokens [S,Q], AttentionMetadata)]; one sampled token per grid row."""
-        kv_caches = copy_blocks(kv_caches, *copies)  # copy-on-write before anything is written
+    def _forward(self, state, kv, inputs: StepInputs, sampling: SamplingInputs, copies):
+        kv = copy_blocks(kv, self.num_layers, *copies)  # copy-on-write before anything is written
         model = nnx.merge(self.graphdef, state)
-        hidden, kv_caches = model.forward_segments(segments, kv_caches, self.cache)  # [T, E]
-        rows, off = [], 0
-        for tokens, md in segments:  # each row's last valid token
-            s, nq = tokens.shape
-            rows.append(off + jnp.arange(s) * nq + jnp.maximum(md.q_lens - 1, 0))
-            off += s * nq
-        hidden = hidden[jnp.concatenate(rows)]  # [R, E]
-        return kv_caches, sample(model.logits(hidden), sampling)
+        hidden, kv = model(inputs.tokens, inputs.md, kv, self.cache)  # [T, E]
+        return kv, sample(model.logits(hidden[inputs.logits_indices]), sampling)
+
+    # -- compiled shapes ------------------------------------------------------------------
+    @property
+    def compiled_shapes(self) -> list[int]:
+        """T of every compiled step, smallest first."""
+        return sorted(self._executables)
+
+    def compile_bucket(self, t: int):
+        """The executable of the step of T = t tokens, compiled now if it is not yet."""
+        exe = self._executables.get(t)
+        if exe is not None:
+            return exe
+        with self._compile_lock:
+            if t not in self._executables:
+                inputs, sampling, copies = self._idle_inputs(t)
+                specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                     (inputs, sampling, copies))
+                self._executables[t] = self._step.lower(*self._specs, *specs).compile()
+            return self._executables[t]
+
+    def ready_tokens(self) -> int | None:
+        """The largest T such that every bucket up to it is compiled (None: none is)."""
+        ready = None
+        for t in self.buckets.token_buckets():
+            if t not in self._executables:
+                break
+            ready = t
+        return ready
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compiles every bucket now, smallest first."""
+        from tqdm import tqdm
+
+        for t in tqdm(self.buckets.token_buckets(), desc="compiling step buckets", disable=not progress, unit="shape"):
+            self.compile_bucket(t)
+
+    def start_background_warmup(self, first: int = 1) -> None:
+        """Compiles the `first` smallest buckets now and the rest on a background thread, so
+        serving starts at once; the scheduler keeps each step within `ready_tokens()`."""
+        ladder = self.buckets.token_buckets()
+        for t in ladder[:first]:
+            self.compile_bucket(t)
+
+        def run():
+            try:
+                for t in ladder[first:]:
+                    self.compile_bucket(t)
+            except BaseException as e:  # surfaced by wait_for_warmup and stats
+                self.warmup_error = e
+
+        self._warmup_thread = threading.Thread(target=run, name="pagedjax-warmup", daemon=True)
+        self._warmup_thread.start()
+
+    def wait_for_warmup(self) -> None:
+        """Blocks until the background warm-up is done; re-raises its error, if any."""
+        if self._warmup_thread is not None:
+            self._warmup_thread.join()
+        if self.warmup_error is not None:
+            raise RuntimeError("compiling the step buckets failed") from self.warmup_error
+
+    @property
+    def warmup_done(self) -> bool:
+        return self._warmup_thread is None or not self._warmup_thread.is_alive()
 
     # -- host side ------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput):
-        """Numpy inputs for one step padded to its bucket, and the batch row of each request."""
-        nd = out.num_decode
-        shape = self.buckets.step_shape(nd, len(out.requests) - nd, max(out.q_lens[nd:], default=1))
-        grids = [self._grid(s, q) for s, q in shape]
-        num_rows = sum(s for s, _ in shape)
-        sampling = _SamplingArrays(num_rows)
-        rows = []
-        for i, (req, start, ql) in enumerate(zip(out.requests, out.starts, out.q_lens)):
-            g, r = (0, i) if i < nd else (1, i - nd)
-            self._fill_row(grids[g], r, req, start, ql)
-            row = r if g == 0 else shape[0][0] + r
-            sampling.fill(row, req)
-            rows.append(row)
-        return _segments(grids), sampling.inputs(), self._copy_arrays(out.copies, num_rows), rows
-
-    def _grid(self, s: int, q: int) -> dict[str, np.ndarray]:
-        return {"tokens": np.zeros((s, q), np.int32), "positions": np.zeros((s, q), np.int32),
-                "slots": np.full((s, q), -1, np.int32), "tables": np.zeros((s, self.max_blocks_per_seq), np.int32),
-                "kv_lens": np.zeros(s, np.int32), "q_lens": np.zeros(s, np.int32)}
-
-    def _fill_row(self, g: dict, i: int, req, start: int, ql: int) -> None:
+        """Numpy inputs of one step, packed and padded to its bucket: (T, StepInputs,
+        SamplingInputs, copy-on-write arrays). Request i of `out` is sequence i."""
+        t = self.buckets.token_bucket(sum(out.q_lens))
+        s = self.buckets.num_seqs(t)
         bs = self.block_size
-        blocks = req.block_ids
-        g["tables"][i, :len(blocks)] = blocks
-        if ql == 1:
-            g["tokens"][i, 0] = req.token_at(start)
-            g["positions"][i, 0] = start
-            if start >= req.num_shared_kv_tokens:  # a fork's inherited KV is not written again
-                g["slots"][i, 0] = blocks[start // bs] * bs + start % bs
-        else:
-            pos = np.arange(start, start + ql, dtype=np.int32)
-            g["tokens"][i, :ql] = req.token_slice(start, start + ql)
-            g["positions"][i, :ql] = pos
-            g["slots"][i, :ql] = np.where(pos >= req.num_shared_kv_tokens,
-                                          g["tables"][i, pos // bs] * bs + pos % bs, -1)
-        g["kv_lens"][i], g["q_lens"][i] = start + ql, ql
+        tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
+        kv_lens, cu = np.zeros(s, np.int32), np.zeros(s + 1, np.int32)
+        sampling = _SamplingArrays(s)
+        off = 0
+        for i, (req, start, ql) in enumerate(zip(out.requests, out.starts, out.q_lens)):
+            blocks = req.block_ids
+            tables[i, :len(blocks)] = blocks
+            if ql == 1:
+                tokens[off] = req.token_at(start)
+                positions[off] = start
+                if start >= req.num_shared_kv_tokens:  # a fork's inherited KV is not written again
+                    slots[off] = blocks[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + ql, dtype=np.int32)
+                tokens[off:off + ql] = req.token_slice(start, start + ql)
+                positions[off:off + ql] = pos
+                slots[off:off + ql] = np.where(pos >= req.num_shared_kv_tokens, tables[i, pos // bs] * bs + pos % bs, -1)
+            off += ql
+            kv_lens[i], cu[i + 1] = start + ql, off
+            sampling.fill(i, req)
+        cu[len(out.requests) + 1:] = off
+        md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
+        inputs = StepInputs(tokens, md, np.maximum(cu[1:] - 1, 0))
+        return t, inputs, sampling.inputs(), self._copy_arrays(out.copies, s)
+
+    def _idle_inputs(self, t: int):
+        """Inputs of a step of t tokens that computes nothing anyone reads (compiling, tests)."""
+        s = self.buckets.num_seqs(t)
+        md = AttentionMetadata(np.zeros(t, np.int32), np.full(t, -1, np.int32),
+                               np.zeros((s, self.max_blocks_per_seq), np.int32), np.zeros(s, np.int32),
+                               np.zeros(s + 1, np.int32))
+        return StepInputs(np.zeros(t, np.int32), md, np.zeros(s, np.int32)), _SamplingArrays(s).inputs(), \
+            self._copy_arrays([], s)
 
     def _copy_arrays(self, copies: list[tuple[int, int]], s: int):
         """Copy-on-write pairs as two [S] int32 arrays; padding entries point past the pool (no-op)."""
@@ -92,32 +177,19 @@ class ModelRunner:
         return src, dst
 
     def execute(self, out: SchedulerOutput):
-        """Runs one step; returns (sampler output as numpy, batch row of each request), with
-        one device->host transfer."""
-        segments, sampling, copies, rows = self.prepare(out)
-        self.compiled_shapes.add(tuple(t.shape for t, _ in segments))
-        self.kv_caches, result = self._step(self.state, self.kv_caches, segments, sampling, copies)
-        return jax.device_get(result), rows
-
-    def warmup(self, shapes, progress: bool = True) -> None:
-        """Compiles the step for every bucket given (tuples of grid shapes), on idle inputs."""
-        from tqdm import tqdm
-
-        for shape in tqdm(shapes, desc="compiling step buckets", disable=not progress, unit="shape"):
-            if shape in self.compiled_shapes:
-                continue
-            segments = _segments([self._grid(s, q) for s, q in shape])
-            num_rows = sum(s for s, _ in shape)
-            self.kv_caches, result = self._step(self.state, self.kv_caches, segments,
-                                                _SamplingArrays(num_rows).inputs(), self._copy_arrays([], num_rows))
-            jax.block_until_ready(result)
-            self.compiled_shapes.add(shape)
+        """Runs one step; returns the sampler output (numpy) with row i for request i. Only
+        the token ids come back to the host, plus log-probabilities when a request wants them."""
+        t, inputs, sampling, copies = self.prepare(out)
+        step = self.compile_bucket(t)
+        self.kv, result = step(self.state, self.kv, inputs, sampling, copies)
+        if sampling.want_logprobs.any():
+            return jax.device_get(result)
+        return _TokensOnly(np.asarray(jax.device_get(result.tokens)))
 
 
-def _segments(grids: list[dict]) -> list[tuple[np.ndarray, AttentionMetadata]]:
-    """Filled host grids -> the step's (tokens [S, Q], AttentionMetadata) segments."""
-    return [(g["tokens"], AttentionMetadata(g["positions"], g["slots"], g["tables"], g["kv_lens"], g["q_lens"]))
-            for g in grids]
+@dataclass(frozen=True)
+class _TokensOnly:
+    tokens: np.ndarray  # [S]
 
 
 class _SamplingArrays:

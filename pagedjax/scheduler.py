@@ -1,9 +1,10 @@
 """Continuous batching over the block pool (host side, no JAX).
 
-Each call to `schedule()` builds one step: first a decode row for every running request
-with one token to go (preempting the newest requests if the pool runs short), then, in the
-same step, prompt chunks of partly prefilled and waiting requests (prefix-cache hits
-skipped) within the token budget, so a long prompt never stalls the running requests.
+Each call to `schedule()` builds one packed step: first a decode token for every running
+request with one token to go (preempting the newest requests if the pool runs short), then,
+in the same step, prompt chunks of partly prefilled and waiting requests (prefix-cache hits
+skipped) within the token budget, so a long prompt never stalls the running requests. A
+request takes any number of tokens in a step, and appears in it at most once.
 `update()` folds the sampled tokens back in; finished requests return their blocks at once.
 """
 from __future__ import annotations
@@ -18,9 +19,9 @@ from pagedjax.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's work: row i computes tokens [start_i, start_i + q_lens[i]) of requests[i].
-    The first `num_decode` rows are decode rows (one token each), the rest prompt chunks, in
-    order; a request's prompt may take several consecutive rows."""
+    """One step's work: entry i computes tokens [starts[i], starts[i] + q_lens[i]) of
+    requests[i]. The first `num_decode` entries are decode tokens (one each), the rest
+    prompt chunks; each request appears at most once."""
 
     requests: list[Request]
     starts: list[int]
@@ -45,6 +46,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, buckets: Buckets, max_model_len: int):
         self.pool = pool
         self.buckets = buckets
+        self.token_budget = buckets.max_num_batched_tokens  # tokens per step; the engine may lower it
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
@@ -92,34 +94,34 @@ class Scheduler:
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         self._copies = []
-        decode = self._schedule_decode()
-        reqs, starts, q_lens = self._schedule_prefill()
+        budget = min(self.token_budget, self.buckets.max_num_batched_tokens)
+        decode = self._schedule_decode(budget)
+        reqs, starts, q_lens = self._schedule_prefill(budget - len(decode))
         if not decode and not reqs:
             return None
         return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
                                [1] * len(decode) + q_lens, len(decode), self._copies)
 
-    def _schedule_prefill(self) -> tuple[list[Request], list[int], list[int]]:
-        """Prompt rows of partly prefilled, then waiting requests, in order, while the step has
-        room; a request's prompt may take several rows (chunks of max_prefill_q tokens)."""
+    def _schedule_prefill(self, budget: int) -> tuple[list[Request], list[int], list[int]]:
+        """Prompt chunks of partly prefilled, then waiting requests, in order, while the step
+        has tokens left in `budget`."""
         reqs, starts, q_lens = [], [], []
         partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in partial:
-            rows = self._plan_rows(req, req.num_computed_tokens, q_lens)
-            if not rows or not self._grow(req, req.num_computed_tokens, sum(rows)):
+            q = min(req.num_tokens - req.num_computed_tokens, budget)
+            if q <= 0 or not self._grow(req, req.num_computed_tokens, q):
                 break
-            self._add_rows(req, req.num_computed_tokens, rows, reqs, starts, q_lens)
+            reqs.append(req), starts.append(req.num_computed_tokens), q_lens.append(q)
+            budget -= q
         seats = self.num_seats_taken()
-        while self.waiting:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
             if seats + 1 + req.reserved_seats > self.buckets.max_num_seqs:
                 break  # room for the request and the sequences it will fork
             hits = self._match_prefix(req)
             start = len(hits) * self.block_size
-            rows = self._plan_rows(req, start, q_lens)
-            if not rows:
-                break
-            need = cdiv(start + sum(rows), self.block_size) - len(hits)
+            q = min(req.num_tokens - start, budget)
+            need = cdiv(start + q, self.block_size) - len(hits)
             if need > self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits):
                 break
             for b in hits:
@@ -136,33 +138,15 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             seats += 1 + req.reserved_seats
-            self._add_rows(req, start, rows, reqs, starts, q_lens)
+            reqs.append(req), starts.append(start), q_lens.append(q)
+            budget -= q
         return reqs, starts, q_lens
 
-    def _plan_rows(self, req: Request, start: int, q_lens: list[int]) -> list[int]:
-        """Query lengths of the rows req's tokens from `start` take in this step: chunks of
-        max_prefill_q while the prompt grid (already holding q_lens) has room; maybe none."""
-        left, rows, chunk = req.num_tokens - start, [], self.buckets.max_prefill_q
-        max_q = max(q_lens, default=0)
-        while left > 0:
-            q = min(left, chunk)
-            if not self._fits(len(q_lens) + len(rows) + 1, max(max_q, q)):
-                break
-            rows.append(q)
-            left -= q
-            max_q = max(max_q, q)
-        return rows
-
-    @staticmethod
-    def _add_rows(req: Request, start: int, rows: list[int], reqs: list, starts: list, q_lens: list) -> None:
-        for q in rows:
-            reqs.append(req), starts.append(start), q_lens.append(q)
-            start += q
-
-    def _schedule_decode(self) -> list[Request]:
-        """Running requests with exactly one token to go, their next slot ready."""
+    def _schedule_decode(self, budget: int) -> list[Request]:
+        """Running requests with exactly one token to go, their next slot ready (at most
+        `budget` of them)."""
         decode, i = [], 0
-        while i < len(self.running):
+        while i < len(self.running) and len(decode) < budget:
             req = self.running[i]
             if req.num_tokens - req.num_computed_tokens != 1:
                 i += 1
@@ -176,9 +160,6 @@ class Scheduler:
     def num_seats_taken(self) -> int:
         """Running sequences plus the seats they hold for sequences they will fork."""
         return len(self.running) + sum(r.reserved_seats for r in self.running)
-
-    def _fits(self, num_rows: int, max_q: int) -> bool:
-        return self.buckets.prefill_fits(num_rows, max_q)
 
     def _grow(self, req: Request, start: int, q: int) -> bool:
         """Readies req's blocks for writing positions [start, start + q): allocates the blocks

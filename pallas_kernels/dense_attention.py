@@ -22,7 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.cpu_native import native_supported, paged_attention_native
+from pallas_kernels.paged_attention import packed
+from pallas_kernels.paged_attention.cpu_native import (native_supported, packed_attention_native,
+                                                       paged_attention_native)
 from pallas_kernels.paged_attention.reference import (NEG_INF, _fold_gqa, online_softmax_update, query_positions,
                                                       run_online_softmax)
 
@@ -75,3 +77,23 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
         return online_softmax_update(*carry, scores, v[:, :, None])  # values [S, Hkv, 1, C, D]
 
     return run_online_softmax(num_chunks, body, (s, hkv, g, nq, d), q.dtype)
+
+
+def dense_packed_attention(q, k_cache, v_cache, slots, kv_lens, cu_q_lens, *, scale,
+                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS, impl: str = "auto",
+                           row_tokens: int = 16):
+    """Packed layout (pallas_kernels/paged_attention/packed.py): q [T, H, D] -> [T, H, D].
+
+    Native: the paged kernel with one page per slot, packed as it is. XLA: the tokens are cut
+    into rows of `row_tokens` (packed.to_rows) and walked by `dense_attention`.
+    """
+    if impl != "xla" and native_supported(q.dtype, k_cache.dtype):
+        return packed_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, cu_q_lens[:-1],
+                                       cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
+    if impl == "native":
+        raise ValueError("impl='native' needs the CPU backend, float32 q and cache, and a built kernel")
+    tile = 1 if q.shape[0] <= slots.shape[0] else row_tokens
+    q_rows, tables, row_kv, row_q, token_row, token_slot = packed.to_rows(q, slots[:, None], kv_lens, cu_q_lens, tile)
+    out = dense_attention(q_rows, k_cache, v_cache, tables[:, 0], row_kv, row_q, scale=scale,
+                          chunk_tokens=chunk_tokens, impl="xla")
+    return packed.from_rows(out, token_row, token_slot)

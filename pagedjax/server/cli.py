@@ -77,8 +77,9 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("cannot start the engine: %s", exc)
         return 2
     if not args.no_warmup and hasattr(engine, "warmup"):
-        logger.info("compiling the model step for every shape bucket (--no-warmup skips this)")
-        engine.warmup()
+        logger.info("compiling the smallest step bucket now and the others in the background "
+                    "(--no-warmup compiles each on first use instead)")
+        engine.warmup(background=True)
     async_engine = AsyncEngine(engine, max_pending_requests=args.max_pending_requests)
     return serve(async_engine, args.host, args.port, args.api_key, args.served_model_name,
                  args.shutdown_timeout, args.log_level)

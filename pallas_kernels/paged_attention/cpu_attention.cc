@@ -1,10 +1,13 @@
 // Paged attention for the CPU backend, called from JAX through the XLA FFI.
 //
-// Same contract as paged_attention_reference (reference.py):
-//   q [S, Q, H, D] f32, k_pages / v_pages [Hkv, NB, BS, D] f32, block_tables [S, MB] i32,
-//   kv_lens [S] i32, q_lens [S] i32  ->  out [S, Q, H, D] f32.
-// Query j of sequence s sits at position kv_lens[s] - q_lens[s] + j and attends causally to
-// keys 0..that position (and < kv_lens[s]); padding slots and empty sequences give zeros.
+// Packed (ragged) layout, the contract of packed_paged_attention (packed.py):
+//   q [T, H, D] f32 (the query tokens of all sequences, laid end to end),
+//   k_pages / v_pages [Hkv, NB, BS, D] f32, block_tables [S, MB] i32, kv_lens [S] i32,
+//   q_starts [S] i32, q_lens [S] i32  ->  out [T, H, D] f32.
+// Sequence s owns query tokens [q_starts[s], q_starts[s] + q_lens[s]); its query j sits at
+// position kv_lens[s] - q_lens[s] + j and attends causally to keys 0..that position (and
+// < kv_lens[s]). Tokens no sequence owns, and sequences with no key, give zeros. (The padded
+// [S, Q] layout is the special case q_starts[s] = s * Q.)
 // Table entries past a sequence's keys are never read; out-of-range entries in use are
 // clamped to [0, NB) (as the ragged path does).
 //
@@ -33,7 +36,7 @@ namespace {
 constexpr float kNoMax = -3.0e38f;
 
 struct Shapes {
-  int64_t s, nq, h, d, hkv, nb, bs, mb;
+  int64_t t, s, h, d, hkv, nb, bs, mb;
 };
 
 inline float Dot(const float* a, const float* b, int64_t d) {
@@ -48,14 +51,13 @@ inline float Dot(const float* a, const float* b, int64_t d) {
 template <int64_t kD>
 void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const float* kp,
                const float* vp, const int32_t* tables, const int32_t* kv_lens,
-               const int32_t* q_lens, float scale, float* out) {
+               const int32_t* q_starts, const int32_t* q_lens, float scale, float* out) {
   const int64_t g_count = sh.h / sh.hkv, d = kD > 0 ? kD : sh.d, bs = sh.bs;
-  const int64_t q_len = std::min<int64_t>(q_lens[seq], sh.nq);
+  const int64_t q0 = q_starts[seq];  // first query token of the sequence in q / out
+  if (q0 < 0 || q0 >= sh.t) return;
+  const int64_t q_len = std::min<int64_t>(q_lens[seq], sh.t - q0);
   const int64_t kv_len = std::min<int64_t>(kv_lens[seq], sh.mb * bs);  // keys exist only in the table
-  for (int64_t j = 0; j < sh.nq; ++j)  // zeros first: padding slots and rows that see no key
-    for (int64_t g = 0; g < g_count; ++g)
-      std::fill_n(out + ((seq * sh.nq + j) * sh.h + hk * g_count + g) * d, d, 0.f);
-  if (q_len <= 0 || kv_len <= 0) return;
+  if (q_len <= 0 || kv_len <= 0) return;  // out is zeroed before the tasks run
   const int64_t first_pos = kv_lens[seq] - q_lens[seq];
   const int64_t rows = q_len * g_count;
   // A finite "minus infinity": the first page's rescale factor exp(kNoMax - max) is exactly 0
@@ -68,7 +70,7 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
     limit[j] = std::min(first_pos + j, kv_len - 1);
     last = std::max(last, limit[j]);
     for (int64_t g = 0; g < g_count; ++g) {
-      const float* src = q + ((seq * sh.nq + j) * sh.h + hk * g_count + g) * d;
+      const float* src = q + ((q0 + j) * sh.h + hk * g_count + g) * d;
       for (int64_t i = 0; i < d; ++i) qs[(j * g_count + g) * d + i] = src[i] * scale;
     }
   }
@@ -121,7 +123,7 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
     for (int64_t g = 0; g < g_count; ++g) {
       const int64_t r = j * g_count + g;
       if (l[r] <= 0.f) continue;
-      float* o = out + ((seq * sh.nq + j) * sh.h + hk * g_count + g) * d;
+      float* o = out + ((q0 + j) * sh.h + hk * g_count + g) * d;
       const float inv = 1.f / l[r];
       for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
     }
@@ -157,33 +159,36 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F task) {
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
-                              ffi::Buffer<ffi::S32> q_lens, float scale,
+                              ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
                               ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto vd = v_pages.dimensions();
   auto td = block_tables.dimensions();
   auto kld = kv_lens.dimensions();
+  auto qsd = q_starts.dimensions();
   auto qld = q_lens.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || kld.size() != 1 ||
-      qld.size() != 1)
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || kld.size() != 1 ||
+      qsd.size() != 1 || qld.size() != 1)
     return ffi::Error::InvalidArgument("paged attention: bad ranks");
-  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1]};
+  Shapes sh{qd[0], td[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1]};
   bool same_pages = true;
   for (int i = 0; i < 4; ++i) same_pages = same_pages && kd[i] == vd[i];
   if (!same_pages || sh.hkv <= 0 || sh.nb <= 0 || sh.bs <= 0 || kd[3] != sh.d || sh.h % sh.hkv != 0 ||
-      td[0] != sh.s || kld[0] != sh.s || qld[0] != sh.s)
+      kld[0] != sh.s || qsd[0] != sh.s || qld[0] != sh.s)
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
   const float* qp = q.typed_data();
   const float* kp = k_pages.typed_data();
   const float* vp = v_pages.typed_data();
   const int32_t* tp = block_tables.typed_data();
   const int32_t* kl = kv_lens.typed_data();
+  const int32_t* qs = q_starts.typed_data();
   const int32_t* ql = q_lens.typed_data();
   float* op = out->typed_data();
+  std::fill_n(op, sh.t * sh.h * sh.d, 0.f);  // tokens no sequence owns stay zero
   auto attend = sh.d == 64 ? AttendOne<64> : sh.d == 128 ? AttendOne<128> : AttendOne<0>;
-  ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, tp, kl, ql, scale, op](int64_t i) {
-    attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, tp, kl, ql, scale, op);
+  ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, tp, kl, qs, ql, scale, op](int64_t i) {
+    attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, tp, kl, qs, ql, scale, op);
   });
   return ffi::Error::Success();
 }
@@ -198,6 +203,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_starts
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());

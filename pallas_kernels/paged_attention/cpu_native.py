@@ -86,8 +86,19 @@ def native_supported(q_dtype, page_dtype) -> bool:
             and available())
 
 
-def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale):
-    """Same result as `paged_attention_reference` (float32 only); needs `available()`."""
+def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts, q_lens, *, scale):
+    """Packed layout: q [T, H, D]; sequence s owns tokens [q_starts[s], q_starts[s] + q_lens[s]).
+    Same result as `packed_attention_reference` (float32 only); needs `available()`."""
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-    return call(q, k_pages, v_pages, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
-                q_lens.astype(jnp.int32), scale=np.float32(scale))
+    i32 = lambda x: x.astype(jnp.int32)
+    return call(q, k_pages, v_pages, i32(block_tables), i32(kv_lens), i32(q_starts), i32(q_lens),
+                scale=np.float32(scale))
+
+
+def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale):
+    """Padded layout q [S, Q, H, D]: same result as `paged_attention_reference`."""
+    s, nq, h, d = q.shape
+    starts = jnp.arange(s, dtype=jnp.int32) * nq
+    out = packed_attention_native(q.reshape(s * nq, h, d), k_pages, v_pages, block_tables, kv_lens, starts,
+                                  q_lens, scale=scale)
+    return out.reshape(s, nq, h, d)

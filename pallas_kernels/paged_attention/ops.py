@@ -1,5 +1,8 @@
 """Validating public entry points for paged attention; pick a backend implementation.
 
+`packed_paged_attention` takes the packed token layout the engine runs (packed.py);
+`paged_attention` the padded [S, Q] layout; `paged_decode_attention` one query per sequence.
+
 All checks read static shapes and dtypes only, so the wrappers run inside jax.jit.
 impl:
   "auto"        TPU -> "pallas_tpu", GPU -> "pallas_gpu" (when the page size suits the
@@ -23,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import cpu_native, ragged, reference
+from . import cpu_native, packed, ragged, reference
 from .cpu_native import native_supported
 from .pallas_gpu import gpu_supported, paged_decode_attention_gpu
 from .pallas_gpu_prefill import paged_prefill_attention_gpu
@@ -160,6 +163,45 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale
         return _prefill(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale)
     lens = jnp.where(q_lens > 0, kv_lens, 0)  # an empty query slot outputs zeros
     return _decode(name, q[:, 0], k_pages, v_pages, block_tables, lens, scale)[:, None]
+
+
+PACKED_ROW_TOKENS = 16  # query tokens per row when a packed step runs on a padded backend
+
+
+def packed_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale=None,
+                           impl="auto"):
+    """Packed layout: q [T, H, D] -> [T, H, D]; see packed.py for the layout and semantics.
+
+    "native" and "reference" take the packed layout as it is. The other backends take
+    padded rows (packed.to_rows): one row per token when the step has no more tokens than
+    sequences (decode-like: the decode kernels), else rows of PACKED_ROW_TOKENS tokens.
+    """
+    _check_rank("q", q, 3, "[T, H, D]")
+    _check_rank("cu_q_lens", cu_q_lens, 1, "[S + 1]")
+    _check_int32("cu_q_lens", cu_q_lens)
+    t, h, d = q.shape
+    s = block_tables.shape[0] if len(block_tables.shape) == 2 else 0
+    if cu_q_lens.shape[0] != s + 1:
+        raise ValueError(f"cu_q_lens must have S + 1 = {s + 1} entries, got {cu_q_lens.shape[0]}")
+    _validate(jax.ShapeDtypeStruct((s, 1, h, d), q.dtype), k_pages, v_pages, block_tables, kv_lens, None, impl)
+    scale = _scale(scale, d)
+    name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
+    if name == "native":
+        return cpu_native.packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens[:-1],
+                                                  cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
+    if name == "reference":
+        return packed.packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                                                 scale=scale)
+    tile = 1 if t <= s else PACKED_ROW_TOKENS
+    q_rows, tables, row_kv, row_q, token_row, token_slot = packed.to_rows(q, block_tables, kv_lens, cu_q_lens,
+                                                                          tile)
+    if name in _XLA_IMPLS:
+        out = _xla(name, q_rows, k_pages, v_pages, tables, row_kv, row_q, scale)
+    elif tile > 1:
+        out = _prefill(name, q_rows, k_pages, v_pages, tables, row_kv, row_q, scale)
+    else:
+        out = _decode(name, q_rows[:, 0], k_pages, v_pages, tables, jnp.where(row_q > 0, row_kv, 0), scale)[:, None]
+    return packed.from_rows(out, token_row, token_slot)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, kv_lens, *, scale=None,

@@ -1,4 +1,4 @@
-"""After the first generate, new batch sizes and lengths compile nothing."""
+"""After warm-up, new batch sizes and lengths compile nothing; warm-up compiles few shapes."""
 import jax
 import numpy as np
 
@@ -23,10 +23,11 @@ def test_no_compilation_after_first_generate(tiny_checkpoints):
     llm = LLM(str(path), max_num_seqs=4, max_model_len=96, block_size=8, num_blocks=64,
               max_num_batched_tokens=64)
     rng = np.random.default_rng(0)
-    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)  # while buckets compile
+    llm.wait_for_warmup()
     after_first = events.count
     assert after_first > 0
-    assert llm.stats()["num_compiled_shapes"] == len(llm.engine.buckets.all_shapes())
+    assert llm.engine.runner.compiled_shapes == [16, 32, 48, 64]  # one packed step shape per rung
     for batch, (lo, hi), max_tokens in [(1, (1, 5), 3), (3, (10, 40), 17), (7, (30, 80), 9), (2, (60, 90), 6)]:
         prompts = [rng.integers(2, 300, size=int(rng.integers(lo, hi))).tolist() for _ in range(batch)]
         params = [SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=0.9, seed=i)
@@ -34,3 +35,12 @@ def test_no_compilation_after_first_generate(tiny_checkpoints):
         llm.generate(prompts, params, use_tqdm=False)
     assert events.count == after_first, "a workload inside the configured limits triggered an XLA compile"
     assert llm.stats()["kv_blocks_free"] == 64
+
+
+def test_default_configuration_compiles_ten_step_shapes():
+    from pagedjax.buckets import Buckets
+
+    assert Buckets(64, 2048).token_buckets() == [16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048]
+    assert Buckets(64, 2048).all_shapes()[:3] == [(16, 16), (32, 32), (48, 48)]
+    assert Buckets(64, 2048).all_shapes()[-1] == (2048, 64)
+    assert Buckets(4, 100).token_buckets() == [16, 32, 48, 64, 96, 100]

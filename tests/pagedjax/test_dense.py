@@ -48,7 +48,8 @@ def test_layouts_from_one_budget(engines):
     assert (dense.pool.num_blocks, dense.pool.block_size) == (3, MAX_LEN)  # 3 whole slots fit 336 tokens
     assert not dense.pool.enable_prefix_caching and dense.runner.max_blocks_per_seq == 1
     assert dense.buckets.max_num_seqs == 3  # the batch never exceeds the slots
-    assert dense.runner.kv_caches[0][0].shape == (2, 3, MAX_LEN, 16)  # [Hkv, slots, max_model_len, D]
+    layers = dense.model_config.num_layers
+    assert dense.runner.kv[0].shape == (2, layers * 3, MAX_LEN, 16)  # [Hkv, L * slots, max_model_len, D]
     assert (paged.pool.num_blocks, paged.pool.block_size) == (42, 8)
     assert paged.kv_bytes_per_token == dense.kv_bytes_per_token == BYTES_PER_TOKEN
     d, p = dense.stats(), paged.stats()

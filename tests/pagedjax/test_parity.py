@@ -31,18 +31,19 @@ def test_greedy_matches_transformers(family, tiny_checkpoints):
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
 
 
-def test_parity_with_prompts_over_several_rows_of_a_step(tiny_checkpoints):
-    """16-token prompt rows: a 60-token prompt takes 4 rows of one step, its later rows
-    attending to the KV its earlier rows write in that same step."""
+def test_parity_while_buckets_compile_in_background(tiny_checkpoints):
+    """warmup=True: generation starts with only the smallest bucket compiled, so the first
+    steps cut prompts into 16-token chunks; the outputs do not change."""
     path, hf_model = tiny_checkpoints("qwen3")
     prompts = _prompts(3, 8)
     expected = [hf_greedy(hf_model, p, 12) for p in prompts]
-    llm = LLM(str(path), max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=128,
-              prefill_row_tokens=16, warmup=False)
-    out = llm.engine.scheduler
+    llm = LLM(str(path), max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=128)
+    sched = llm.engine.scheduler
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert out.pool.num_free == out.pool.num_blocks
+    assert sched.pool.num_free == sched.pool.num_blocks
+    llm.wait_for_warmup()
+    assert llm.stats()["warmup_done"] and llm.engine.runner.compiled_shapes == [16, 32, 48, 64, 96, 128]
 
 
 def test_parity_under_preemption_and_chunked_prefill(tiny_checkpoints):

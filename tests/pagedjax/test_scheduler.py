@@ -10,7 +10,7 @@ from pagedjax.scheduler import Scheduler
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=64, caching=True):
     pool = BlockPool(num_blocks, block_size, caching)
-    return Scheduler(pool, Buckets(max_num_seqs, budget, max_model_len), max_model_len)
+    return Scheduler(pool, Buckets(max_num_seqs, budget), max_model_len)
 
 
 def req(rid, n, max_tokens=8, start=100):
@@ -106,15 +106,30 @@ def test_chunked_prefill_splits_long_prompts():
     assert chunks == [16, 16, 8]
 
 
-def test_long_prompt_takes_several_rows_of_one_step():
+def test_long_prompt_is_one_packed_entry_of_its_step():
     pool = BlockPool(32, 4, True)
-    s = Scheduler(pool, Buckets(2, 64, 64, prefill_row_tokens=16), 64)
+    s = Scheduler(pool, Buckets(2, 64), 64)
     a, b = req("a", 40), req("b", 10, start=300)
     s.add(a), s.add(b)
     out = run_step(s)
-    assert out.requests == [a, a, a, b] and out.starts == [0, 16, 32, 0] and out.q_lens == [16, 16, 8, 10]
-    assert a.output_token_ids == [7] and b.output_token_ids == [7]  # one token each, from its last row
+    assert out.requests == [a, b] and out.starts == [0, 0] and out.q_lens == [40, 10]
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
     assert len(a.block_ids) == 10 and a.num_computed_tokens == 40
+
+
+def test_lowered_token_budget_bounds_decodes_and_chunks():
+    """While warm-up compiles the larger buckets the engine lowers the budget: steps stay small."""
+    s = make(max_num_seqs=4, budget=64, num_blocks=32)
+    for i in range(3):
+        s.add(req(str(i), 3, max_tokens=5, start=100 * i))
+    run_step(s)
+    s.token_budget = 2
+    out = run_step(s)
+    assert out.q_lens == [1, 1] and out.num_decode == 2  # the third decode waits a step
+    s.add(req("late", 9, start=500))
+    s.token_budget = 16
+    out = run_step(s)
+    assert out.q_lens == [1, 1, 1, 9] and sum(out.q_lens) <= 16
 
 
 def test_prompt_chunks_share_the_step_with_running_decodes():
@@ -128,6 +143,6 @@ def test_prompt_chunks_share_the_step_with_running_decodes():
     while not long.output_token_ids:
         out = run_step(s)
         steps.append((out.num_decode, out.q_lens))
-    # every step decodes the running request while the long prompt goes in 16-token chunks
-    assert steps == [(1, [1, 16]), (1, [1, 16]), (1, [1, 8])]
+    # every step decodes the running request while the long prompt fills the rest of the budget
+    assert steps == [(1, [1, 15]), (1, [1, 15]), (1, [1, 10])]
     assert len(short.output_token_ids) == 4
