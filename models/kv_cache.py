@@ -119,18 +119,14 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
     """Copy-on-write: block src[i] -> dst[i] in every layer (both layouts).
 
     src, dst: [C] int32; the real copies come first, then padding entries with dst out of
-    range (>= NB). A loop over the real copies only, each an in-place slice update of all
-    layers at once: a step with no copies costs nothing.
+    range (>= NB). A loop over the real copies only, each one in-place scatter of the L
+    layers' copies of the block: a step with no copies costs nothing, and none touches
+    more than the blocks it copies.
     """
-    hkv, total, bs, d = kv[0].shape
-    num_blocks = total // num_layers
+    num_blocks = kv[0].shape[1] // num_layers
+    layer_base = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks  # [L]
 
     def body(i, caches):
-        def copy(x):
-            x = x.reshape(hkv, num_layers, num_blocks, bs, d)  # a view: layer l's blocks on axis 2
-            block = jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=2)
-            return jax.lax.dynamic_update_slice_in_dim(x, block, dst[i], axis=2).reshape(hkv, total, bs, d)
-
-        return tuple(copy(x) for x in caches)
+        return tuple(x.at[:, layer_base + dst[i]].set(x[:, layer_base + src[i]]) for x in caches)
 
     return jax.lax.fori_loop(0, jnp.sum(dst < num_blocks), body, tuple(kv))

@@ -105,16 +105,23 @@ class DecoderLayer(nnx.Module):
 class CausalLM(nnx.Module):
     """Decoder-only LM. Build it from converted arrays with `models.load_model`.
 
-    The decoder layers are stored stacked: one DecoderLayer whose parameters carry a leading
-    layer axis [L, ...], run under `jax.lax.scan` (one layer body to compile, whatever L).
+    scan_layers=True stores the decoder layers stacked, one DecoderLayer whose parameters
+    carry a leading layer axis [L, ...], run under `jax.lax.scan`: one layer body to compile
+    whatever L (compiles several times faster). False keeps a list of layers, unrolled:
+    XLA:CPU copies each layer's weights out of the stack before its matmuls (no fusion of a
+    dynamic slice into a dot there), which costs a full extra pass over the weights per step.
     """
 
-    def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, scan_layers: bool = False):
         self.config = cfg
+        self.scan_layers = scan_layers
         self.embed = _param(arrays, "embed", dtype)  # [V, E]
         layers = arrays["layers"]
-        stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
-        self.layers = DecoderLayer(cfg, stacked, dtype)  # every parameter [L, ...]
+        if scan_layers:
+            stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
+            self.layers = DecoderLayer(cfg, stacked, dtype)  # every parameter [L, ...]
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, layer, dtype) for layer in layers])
         self.norm = _param(arrays, "norm", dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(arrays, "lm_head", dtype)  # [V, E]
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
@@ -123,6 +130,11 @@ class CausalLM(nnx.Module):
         """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv)."""
         x = self.embed[...][tokens]  # [T, E]
         cos, sin = rope_cos_sin(md.positions, self.inv_freq[...])
+        kv = tuple(kv)
+        if not self.scan_layers:
+            for i, layer in enumerate(self.layers):
+                kv, x = layer(x, cos, sin, kv, i, md, cache)
+            return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv
         graphdef, stacked = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -132,7 +144,7 @@ class CausalLM(nnx.Module):
             return (x, kv), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, tuple(kv)), (stacked, layer_ids))
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, layer_ids))
         return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv
 
     def logits(self, hidden):

@@ -104,11 +104,21 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return path
 
 
-def load_model(model: str | Path | None = None, dtype: str = "auto"):
-    """Returns (CausalLM, ModelConfig, tokenizer) for a local HF dir, or the default model."""
+def default_scan_layers() -> bool:
+    """Layers under scan (fast compiles) except on XLA:CPU, where the unrolled model steps
+    faster (see CausalLM)."""
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
+def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers: bool | None = None):
+    """Returns (CausalLM, ModelConfig, tokenizer) for a local HF dir, or the default model.
+    scan_layers: None picks `default_scan_layers()`."""
     from models.weights import load_tensors_from_dir
 
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
     arrays = convert_hf_tensors(cfg, load_tensors_from_dir(model_dir))
-    return CausalLM(cfg, arrays, resolve_dtype(dtype, cfg)), cfg, load_tokenizer(model_dir)
+    scan = default_scan_layers() if scan_layers is None else scan_layers
+    return CausalLM(cfg, arrays, resolve_dtype(dtype, cfg), scan_layers=scan), cfg, load_tokenizer(model_dir)

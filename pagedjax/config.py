@@ -22,6 +22,7 @@ class EngineConfig:
     seed: int = 0
     kv_cache_memory_gb: float | None = None
     attention_impl: str = "auto"
+    scan_layers: bool | None = None  # None: scan on accelerators, unrolled on CPU (models.loader)
 
     def __post_init__(self) -> None:
         def positive(name, value):

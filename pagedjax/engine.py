@@ -57,7 +57,7 @@ class LLMEngine:
         compile_counter.install()
         compile_counter.enable_persistent_cache()
         self.config = EngineConfig(model=model, **engine_kwargs)
-        self.model, self.model_config, self.tokenizer = load_model(model, self.config.dtype)
+        self.model, self.model_config, self.tokenizer = load_model(model, self.config.dtype, self.config.scan_layers)
         cfg = self.config
         cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len

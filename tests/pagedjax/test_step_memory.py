@@ -1,0 +1,60 @@
+"""A step costs what its tokens cost, whatever the pool size: the compiled step updates the
+donated KV cache in place and never copies it (checked on the compiled executable), and the
+layers under scan give the same tokens as the unrolled model."""
+import re
+
+import numpy as np
+import pytest
+
+from pagedjax import SamplingParams
+from pagedjax.engine import LLMEngine
+from tiny_models import hf_greedy
+
+NUM_BLOCKS = 4096
+
+
+@pytest.fixture(scope="module", params=["paged", "dense"])
+def engine(request, tiny_checkpoints):
+    path, _ = tiny_checkpoints("llama")
+    kw = dict(num_blocks=NUM_BLOCKS) if request.param == "paged" else dict(num_blocks=64)
+    return LLMEngine(str(path), stream_text=False, kv_cache=request.param, block_size=8, max_num_seqs=8,
+                     max_model_len=96, max_num_batched_tokens=64, **kw)
+
+
+def _pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
+    """HLO instructions that copy a whole pool-sized array (in any layout of its elements)."""
+    size = int(np.prod(pool_shape))
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[([\d,]+)\]\{[\d,]*\} copy\(", line)
+        if m and int(np.prod([int(x) for x in m.group(1).split(",")])) == size:
+            found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("t", [16, 64])
+def test_compiled_step_updates_the_cache_in_place(engine, t):
+    runner = engine.runner
+    exe = runner.compile_bucket(t)
+    pool_bytes = 2 * runner.kv[0].nbytes
+    mem = exe.memory_analysis()
+    assert mem.alias_size_in_bytes >= pool_bytes  # the donated cache is the output cache
+    assert mem.temp_size_in_bytes < pool_bytes / 8  # scratch follows the tokens, not the pool
+    assert _pool_copies(exe.as_text(), runner.kv[0].shape) == []
+
+
+def test_scan_and_unrolled_layers_agree(tiny_checkpoints):
+    path, hf_model = tiny_checkpoints("qwen2")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
+    outs = {}
+    for scan in (True, False):
+        eng = LLMEngine(str(path), stream_text=False, block_size=8, max_num_seqs=4, max_model_len=64,
+                        num_blocks=32, max_num_batched_tokens=32, scan_layers=scan)
+        assert eng.model.scan_layers is scan
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True))
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        outs[scan] = [done[str(i)] for i in range(len(prompts))]
+    assert outs[True] == outs[False] == [hf_greedy(hf_model, p, 6) for p in prompts]
