@@ -8,7 +8,10 @@ compiled executable of that bucket. Executables are compiled ahead of time per b
 """
 from __future__ import annotations
 
+import atexit
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 
 import jax
@@ -20,6 +23,16 @@ from models.kv_cache import AttentionMetadata, copy_blocks, init_kv_cache
 from pagedjax.buckets import Buckets
 from pagedjax.sampler import SamplingInputs, sample
 from pagedjax.scheduler import SchedulerOutput
+
+
+_warming_up: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_warmups() -> None:
+    """Never let the interpreter exit while XLA compiles on a warm-up thread (it aborts)."""
+    for runner in list(_warming_up):
+        runner.stop_warmup()
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +67,9 @@ class ModelRunner:
         self._executables: dict[int, object] = {}  # T bucket -> compiled step
         self._compile_lock = threading.Lock()
         self._warmup_thread: threading.Thread | None = None
+        self._stop_warmup = threading.Event()
         self.warmup_error: BaseException | None = None
+        self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
 
     def _forward(self, state, kv, inputs: StepInputs, sampling: SamplingInputs, copies):
         kv = copy_blocks(kv, self.num_layers, *copies)  # copy-on-write before anything is written
@@ -107,12 +122,21 @@ class ModelRunner:
         def run():
             try:
                 for t in ladder[first:]:
+                    if self._stop_warmup.is_set():
+                        return
                     self.compile_bucket(t)
             except BaseException as e:  # surfaced by wait_for_warmup and stats
                 self.warmup_error = e
 
         self._warmup_thread = threading.Thread(target=run, name="pagedjax-warmup", daemon=True)
         self._warmup_thread.start()
+        _warming_up.add(self)
+
+    def stop_warmup(self) -> None:
+        """Stops a background warm-up after the bucket it is compiling (waits for that one)."""
+        self._stop_warmup.set()
+        if self._warmup_thread is not None:
+            self._warmup_thread.join()
 
     def wait_for_warmup(self) -> None:
         """Blocks until the background warm-up is done; re-raises its error, if any."""
@@ -181,10 +205,14 @@ class ModelRunner:
         the token ids come back to the host, plus log-probabilities when a request wants them."""
         t, inputs, sampling, copies = self.prepare(out)
         step = self.compile_bucket(t)
-        self.kv, result = step(self.state, self.kv, inputs, sampling, copies)
+        self.kv, result = step(self.state, self.kv, inputs, sampling, copies)  # dispatched, runs async
+        wait = time.perf_counter()
         if sampling.want_logprobs.any():
-            return jax.device_get(result)
-        return _TokensOnly(np.asarray(jax.device_get(result.tokens)))
+            result = jax.device_get(result)
+        else:
+            result = _TokensOnly(np.asarray(jax.device_get(result.tokens)))
+        self.last_wait_s = time.perf_counter() - wait  # host blocked on the device
+        return result
 
 
 @dataclass(frozen=True)

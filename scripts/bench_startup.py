@@ -4,19 +4,22 @@ a warm JAX compilation cache, for three ways of using the default model.
 - generate: `pagedjax generate "What is the capital of France?" --chat --max-tokens 16`; time to
   the first stdout chunk with generated text, and to the process exit.
 - serve: `pagedjax serve` (default flags, a free port on 127.0.0.1); time until GET /health
-  answers 200 (the server warms up before it binds), then until its first
-  POST /v1/completions ("Hello", 8 tokens) answers 200; then SIGINT (kill after 10 s).
+  answers 200 (the server binds once its warm-up lets it: all step shapes compiled, or with
+  a background warm-up the first one), then until its first POST /v1/completions ("Hello",
+  8 tokens) answers 200; then SIGINT (kill after 10 s).
 - llm: `LLM(max_num_seqs=32, max_model_len=1024)` (warm-up on, the default) in a fresh Python
-  process; time until `generate` of one prompt with max_tokens=1 returns its token.
+  process; time until `generate` of one prompt with max_tokens=1 returns its token (and, where
+  the warm-up runs in the background, until `wait_for_warmup()` returns: JSON only).
 
 Each target runs twice with JAX_COMPILATION_CACHE_DIR set to a fresh empty directory of its
 own: cold (empty), then warm (the same directory, filled by the cold run). pagedjax leaves a
 cache dir the user configured alone (pagedjax/compile_counter.py), and JAX keeps only
 compilations that took at least 1 s (--cache-min-compile-secs changes that), so a warm start
-still compiles the quick ones, and one near 1 s may or may not be kept. The
-model files must already be converted under ~/.cache/pagedjax (not cleared here). Every run
-sets JAX_LOG_COMPILES=1 to count, from its stderr, XLA compilations ("compiled") and
-persistent-cache hits ("hits"); serve's /metrics and the LLM's stats() are reported as well.
+still compiles the quick ones, and one near 1 s may or may not be kept. The model files must
+already be converted under ~/.cache/pagedjax (not cleared here). Every run sets JAX_LOG_COMPILES=1 to count, from its stderr, XLA compilations ("compiled") and
+persistent-cache hits ("hits") up to the measured moment (the JSON also has the process's
+totals); serve's /metrics and the LLM's stats() ("shapes": compiled step shapes) are reported
+as well; pagedjax's own num_compilations counts cache hits as compilations.
 Each process may take at most --timeout seconds (600). Writes JSON (results/bench_startup.json).
 
     python scripts/bench_startup.py [--only generate,serve,llm] [--out results/bench_startup.json]
@@ -56,7 +59,12 @@ mark("llm_constructed")
 out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=1), use_tqdm=False)
 mark("first_token", token_ids=list(out[0].outputs[0].token_ids))
 s = llm.stats()
-mark("stats", num_compilations=s["num_compilations"], num_compiled_shapes=s["num_compiled_shapes"])
+mark("stats", num_compilations=s["num_compilations"], num_compiled_shapes=s["num_compiled_shapes"],
+     num_step_shapes=s.get("num_step_shapes"))
+if hasattr(llm, "wait_for_warmup"):  # the warm-up goes on in the background after the first token
+    llm.wait_for_warmup()
+    s = llm.stats()
+    mark("warmup_done", num_compilations=s["num_compilations"], num_compiled_shapes=s["num_compiled_shapes"])
 """
 
 
@@ -87,7 +95,7 @@ class Proc:
                                   stderr=subprocess.PIPE, start_new_session=True)
         _live.append(self.p)
         self.chunks: list[tuple[float, str]] = []
-        self.err: list[str] = []
+        self.err: list[tuple[float, str]] = []
         self.readers = [threading.Thread(target=self._read_out, daemon=True),
                         threading.Thread(target=self._read_err, daemon=True)]
         for r in self.readers:
@@ -100,7 +108,7 @@ class Proc:
 
     def _read_err(self) -> None:
         for line in iter(self.p.stderr.readline, b""):
-            self.err.append(line.decode(errors="replace"))
+            self.err.append((time.perf_counter() - self.t0, line.decode(errors="replace")))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -140,14 +148,24 @@ class Proc:
         return "".join(c for _, c in self.chunks)
 
     def stderr_tail(self, n: int = 15) -> str:
-        return "".join(self.err[-n:])
+        lines = [line for _, line in self.err if "XLA compilation" not in line and "compilation cache" not in line
+                 and "Compiling " not in line and "Finished " not in line]
+        return "".join(lines[-n:])
 
-    def compile_counts(self) -> dict:
-        """JAX_LOG_COMPILES lines: every backend compile request logs 'Finished XLA compilation'
-        (persistent-cache hits included); hits also log 'Persistent compilation cache hit'."""
-        finished = sum("Finished XLA compilation" in line for line in self.err)
-        hits = sum("Persistent compilation cache hit" in line for line in self.err)
-        return {"compiled": finished - hits, "cache_hits": hits}
+    def compile_counts(self, until: float | None = None) -> dict:
+        """From the JAX_LOG_COMPILES lines on stderr up to `until` seconds after the start
+        (default: all): every backend compile request logs 'Finished XLA compilation'
+        (persistent-cache hits included); hits also log 'Persistent compilation cache hit'.
+        Also the same counts over the whole life of the process."""
+        def count(lines: list[str]) -> tuple[int, int]:
+            finished = sum("Finished XLA compilation" in line for line in lines)
+            hits = sum("Persistent compilation cache hit" in line for line in lines)
+            return finished - hits, hits
+
+        compiled, hits = count([line for t, line in self.err if until is None or t <= until])
+        all_compiled, all_hits = count([line for _, line in self.err])
+        return {"compiled": compiled, "cache_hits": hits, "process_compiled": all_compiled,
+                "process_cache_hits": all_hits}
 
 
 def _signal(p: subprocess.Popen, sig: int) -> None:
@@ -180,7 +198,7 @@ def run_generate(cache_dir: str, args) -> dict:
     if rc != 0 or first is None:
         raise RuntimeError(f"pagedjax generate exited {rc} without output; stderr:\n{proc.stderr_tail()}")
     return {"seconds": first, "first_token_s": first, "total_s": proc.elapsed(), "text": proc.stdout().strip(),
-            **proc.compile_counts()}
+            **proc.compile_counts(until=first)}
 
 
 def _free_port() -> int:
@@ -229,15 +247,15 @@ def run_serve(cache_dir: str, args) -> dict:
         metrics = {}
         status, body = _http(base + "/metrics")
         for line in body.decode(errors="replace").splitlines():
-            if "compil" in line and not line.startswith("#"):
+            if ("compil" in line or "step_shapes" in line) and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 metrics[name] = float(value)
     finally:
         rc = proc.stop(grace=10.0)
     res = {"seconds": completion, "health_s": health, "first_completion_s": completion, "text": text,
-           "metrics": metrics, "exit_code": rc, **proc.compile_counts()}
+           "metrics": metrics, "exit_code": rc, **proc.compile_counts(until=completion)}
     if rc != 0:  # measured fine, but the shutdown was not clean: keep what it said
-        res["shutdown_stderr_tail"] = [line for line in proc.err[-20:] if "XLA compilation" not in line]
+        res["shutdown_stderr_tail"] = proc.stderr_tail(20)
     return res
 
 
@@ -251,12 +269,14 @@ def run_llm(cache_dir: str, args) -> dict:
             events[ev.pop("event")] = ev
     if rc != 0 or "first_token" not in events:
         raise RuntimeError(f"the LLM process exited {rc}; stderr:\n{proc.stderr_tail()}")
-    stats = events.get("stats", {})
+    stats, done = events.get("stats", {}), events.get("warmup_done", {})
     return {"seconds": events["first_token"]["t"], "imported_s": events["imported"]["t"],
             "llm_constructed_s": events["llm_constructed"]["t"], "first_token_s": events["first_token"]["t"],
             "total_s": proc.elapsed(), "token_ids": events["first_token"]["token_ids"],
             "num_compilations": stats.get("num_compilations"), "num_compiled_shapes": stats.get("num_compiled_shapes"),
-            **proc.compile_counts()}
+            "num_step_shapes": stats.get("num_step_shapes"), "all_shapes_compiled_s": done.get("t"),
+            "num_compilations_all_shapes": done.get("num_compilations"),
+            **proc.compile_counts(until=events["first_token"]["t"])}
 
 
 RUNNERS = {"generate": run_generate, "serve": run_serve, "llm": run_llm}

@@ -7,8 +7,9 @@ exactly its own number of tokens; a SmolLM2-135M-shaped Llama with random weight
 CPU. All requests are submitted at t0.
 
 - pagedjax: `LLM(..., warmup=True)`, max_num_seqs 32, prefix caching off; the warm-up (every
-  shape bucket compiled) is not timed and is reported on its own. The timed run steps
-  `llm.engine` to see each request's first token (time to first token, TTFT).
+  shape bucket compiled, or loaded from pagedjax's compile cache) is not timed and is reported
+  on its own. The timed run steps `llm.engine` to see each request's first token (time to
+  first token, TTFT).
 - transformers static batching: `model.generate` on batches of 16 in arrival order, left
   padded, each batch run to its longest requested output. generate returns a whole batch at
   once, so a request's TTFT here is the end of its batch: what a caller actually waits for.
@@ -18,7 +19,9 @@ CPU. All requests are submitted at t0.
   cannot run here.
 
 Output tok/s counts the tokens each request asked for, over the wall time from t0 to the
-last request's end. Writes JSON (results/bench_workload.json).
+last request's end. The engines run one after the other in this process; on a shared machine
+another busy process slows torch's threads far more than XLA's. Writes JSON
+(results/bench_workload.json).
 
     python scripts/bench_workload.py [--model DIR] [--n 96] [--prompt-min 32] [--prompt-max 384]
         [--output-min 16] [--output-max 192] [--max-num-seqs 32] [--static-batch-size 16]
@@ -71,7 +74,10 @@ def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_lens: list[i
     t = time.perf_counter()
     llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enable_prefix_caching=False, warmup=True)
-    # the first generate runs the warm-up (compiles every step bucket); not part of the timed run
+    # the warm-up compiles every step bucket (on a background thread: wait for it; older
+    # versions compile in the first generate); not part of the timed run
+    if hasattr(llm, "wait_for_warmup"):
+        llm.wait_for_warmup()
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     warmup_s = time.perf_counter() - t
     engine = llm.engine
@@ -163,7 +169,6 @@ def bench_static(model_dir: str, prompts: list[list[int]], output_lens: list[int
     res.update(batch_size=batch_size, generated_tokens_incl_batch_padding=computed,
                ttft_definition="end of the request's batch (generate returns the whole batch at once)",
                token_ids=tokens)
-    del model
     gc.collect()
     return res
 
@@ -187,7 +192,6 @@ def bench_continuous(model_dir: str, prompts: list[list[int]], output_lens: list
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(output_lens), eos_token_id=-1, pad_token_id=0)
     hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=max(output_lens),
                           num_requests=len(prompts))
-    n = len(prompts)
     results: dict[str, object] = {}
     done: dict[str, float] = {}
     with torch.no_grad(), model.continuous_batching_context_manager(
@@ -257,6 +261,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="pagedjax max_model_len (default: 1024, or prompt-max + output-max rounded up to 256)")
     p.add_argument("--static-batch-size", type=int, default=16)
+    p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--cb-attn", default="sdpa", choices=["sdpa", "paged|eager"],
                    help="attention of transformers' continuous batching on CPU (flash needs a GPU)")
     p.add_argument("--cb-page-size", type=int, default=256, help="transformers' continuous batching page size")
@@ -284,6 +289,10 @@ def main() -> None:
         print(f"workload: {args.n} requests, {sum(map(len, prompts))} prompt tokens, {sum(output_lens)} output "
               f"tokens asked for", flush=True)
 
+        if args.torch_threads:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
         print("pagedjax ...", flush=True)
         ours = bench_pagedjax(model_dir, prompts, output_lens, args)
         print(f"  warm-up {ours['warmup_s']:.1f} s (not timed); run {ours['seconds']:.1f} s", flush=True)
@@ -331,7 +340,7 @@ def main() -> None:
     print(f"{'engine':<26}{'output tok/s':>13}{'wall s':>9}{'TTFT mean s':>13}{'TTFT p99 s':>12}")
     for r in rows:
         label = r["engine"] + (" *" if r is static else "")
-        print(f"{label:<26}{r['tokens_per_s']:>13.1f}{r['seconds']:>9.1f}{r['ttft_mean_s']:>13.2f}"
+        print(f"{label:<26}{r['tokens_per_s']:>13.1f}{r['seconds']:>9.2f}{r['ttft_mean_s']:>13.2f}"
               f"{r['ttft_p99_s']:>12.2f}")
     if cont is None:
         print(f"{'transformers continuous':<26}{'not run':>13}   ({cont_reason})")

@@ -1,5 +1,7 @@
-"""Per-step wall time of the engine on the throughput workload: the prefill step and the
-median decode step (after a first pass that compiles the shapes).
+"""Per-step wall time of the engine, split into host time (scheduling, batch preparation,
+output processing) and the time the host waits for the device; and the cost of a mixed step
+(decodes + one prompt chunk) at two KV pool sizes, which must not differ (no step work
+proportional to the pool).
 
     python scripts/step_times.py [--model DIR] [--num-prompts 16] [--prompt-len 128] [--output-len 128]
 Default model: the SmolLM2-135M-shaped random Llama of bench_throughput.py.
@@ -21,34 +23,66 @@ from pagedjax import SamplingParams  # noqa: E402
 from pagedjax.engine import LLMEngine  # noqa: E402
 
 
+def timed_steps(engine, rng, num_prompts, prompt_len, output_len) -> list[tuple[float, float]]:
+    """(wall seconds, seconds waiting for the device) of every step of one batch."""
+    for _ in range(num_prompts):
+        engine.add_request(f"r{rng.integers(1 << 62)}", rng.integers(3, 1000, prompt_len).tolist(),
+                           SamplingParams(max_tokens=output_len, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t, engine.runner.last_wait_s))
+    return times
+
+
+def mixed_step_ms(model, num_blocks: int, rng, repeats: int = 5) -> tuple[float, float]:
+    """Median ms of a decode-only step of 4 requests and of a step adding a 100-token prompt."""
+    engine = LLMEngine(model, stream_text=False, max_num_seqs=32, max_model_len=1024, num_blocks=num_blocks,
+                       enable_prefix_caching=False)
+    engine.warmup(progress=False)
+    for i in range(4):
+        engine.add_request(f"d{i}", rng.integers(3, 1000, 50).tolist(), SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    decode, mixed = [], []
+    for k in range(repeats):
+        t = time.perf_counter()
+        engine.step()
+        decode.append(time.perf_counter() - t)
+        engine.add_request(f"p{k}", rng.integers(3, 1000, 100).tolist(), SamplingParams(max_tokens=1))
+        t = time.perf_counter()
+        engine.step()
+        mixed.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(decode)), 1e3 * float(np.median(mixed))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--pool-sizes", default="256,4096", help="KV blocks for the mixed-step probe (comma list)")
     args = p.parse_args()
+    rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or (make_random_checkpoint(Path(tmp)) or tmp)
         engine = LLMEngine(model, stream_text=False, max_num_seqs=args.num_prompts, max_model_len=512,
                            enable_prefix_caching=False)
-        rng = np.random.default_rng(0)
-
-        def run() -> list[float]:
-            for _ in range(args.num_prompts):
-                engine.add_request(f"r{rng.integers(1 << 62)}", rng.integers(3, 1000, args.prompt_len).tolist(),
-                                   SamplingParams(max_tokens=args.output_len, ignore_eos=True))
-            times = []
-            while engine.has_unfinished_requests():
-                t = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - t)
-            return times
-
-        run()
-        times = run()
-    print(f"prefill step {times[0]:.2f} s; decode step median {1e3 * np.median(times[1:]):.1f} ms "
-          f"(p90 {1e3 * np.percentile(times[1:], 90):.1f} ms); total {sum(times):.2f} s for {len(times)} steps")
+        engine.warmup(progress=False)
+        timed_steps(engine, rng, args.num_prompts, args.prompt_len, args.output_len)
+        times = timed_steps(engine, rng, args.num_prompts, args.prompt_len, args.output_len)
+        wall = np.array([w for w, _ in times])
+        wait = np.array([d for _, d in times])
+        host = wall - wait
+        print(f"prefill step {wall[0]:.2f} s; decode step median {1e3 * np.median(wall[1:]):.1f} ms "
+              f"(p90 {1e3 * np.percentile(wall[1:], 90):.1f} ms); total {wall.sum():.2f} s for {len(wall)} steps")
+        print(f"decode steps: host {1e3 * np.median(host[1:]):.2f} ms (scheduling, batch preparation, outputs) + "
+              f"waiting for the device {1e3 * np.median(wait[1:]):.1f} ms, medians")
+        for nb in (int(x) for x in args.pool_sizes.split(",")):
+            dec, mixed = mixed_step_ms(model, nb, rng)
+            print(f"pool of {nb:5d} blocks: decode step (4 requests) {dec:6.1f} ms; "
+                  f"step with a 100-token prompt added {mixed:6.1f} ms")
 
 
 if __name__ == "__main__":
