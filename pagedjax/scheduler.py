@@ -99,8 +99,22 @@ class Scheduler:
         reqs, starts, q_lens = self._schedule_prefill(budget - len(decode))
         if not decode and not reqs:
             return None
+        if q_lens:
+            q_lens[-1] -= self._trim_to_rung(len(decode) + sum(q_lens), q_lens[-1])
         return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
                                [1] * len(decode) + q_lens, len(decode), self._copies)
+
+    def _trim_to_rung(self, total: int, last_chunk: int) -> int:
+        """Tokens to cut from the step's last prompt chunk so that the step fills the rung
+        below instead of padding the rung above: when the cut is no larger than the padding
+        it saves (the cut tokens simply run in the next step). 0 when not worth it."""
+        rungs = self.buckets.token_buckets()
+        up = next((t for t in rungs if t >= total), None)
+        below = [t for t in rungs if t < total]
+        if up is None or not below:
+            return 0
+        cut = total - below[-1]
+        return cut if cut <= up - total and cut < last_chunk else 0
 
     def _schedule_prefill(self, budget: int) -> tuple[list[Request], list[int], list[int]]:
         """Prompt chunks of partly prefilled, then waiting requests, in order, while the step

@@ -109,10 +109,10 @@ def test_chunked_prefill_splits_long_prompts():
 def test_long_prompt_is_one_packed_entry_of_its_step():
     pool = BlockPool(32, 4, True)
     s = Scheduler(pool, Buckets(2, 64), 64)
-    a, b = req("a", 40), req("b", 10, start=300)
+    a, b = req("a", 40), req("b", 8, start=300)
     s.add(a), s.add(b)
     out = run_step(s)
-    assert out.requests == [a, b] and out.starts == [0, 0] and out.q_lens == [40, 10]
+    assert out.requests == [a, b] and out.starts == [0, 0] and out.q_lens == [40, 8]
     assert a.output_token_ids == [7] and b.output_token_ids == [7]
     assert len(a.block_ids) == 10 and a.num_computed_tokens == 40
 
@@ -146,3 +146,17 @@ def test_prompt_chunks_share_the_step_with_running_decodes():
     # every step decodes the running request while the long prompt fills the rest of the budget
     assert steps == [(1, [1, 15]), (1, [1, 15]), (1, [1, 10])]
     assert len(short.output_token_ids) == 4
+
+
+def test_prompt_chunk_trimmed_to_fill_the_rung_below():
+    """4 decodes + a 32-token prompt = 36 tokens: padding to 48 would waste 12, so the chunk
+    gives up 4 tokens and the step fills the 32 rung exactly; the rest runs next step."""
+    s = make(max_num_seqs=8, budget=64, num_blocks=64, max_model_len=64)
+    for i in range(4):
+        s.add(req(str(i), 3, max_tokens=9, start=50 * i))
+    run_step(s)
+    s.add(req("p", 32, start=400))
+    out = run_step(s)
+    assert out.q_lens == [1, 1, 1, 1, 28] and sum(out.q_lens) == 32
+    out = run_step(s)
+    assert out.q_lens == [1, 1, 1, 1, 4]
