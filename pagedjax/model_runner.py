@@ -97,7 +97,10 @@ class ModelRunner:
             return self._executables[t]
 
     def ready_tokens(self) -> int | None:
-        """The largest T such that every bucket up to it is compiled (None: none is)."""
+        """While a background warm-up runs: the largest T such that every bucket up to it
+        is compiled. None otherwise (no limit: a missing bucket compiles on first use)."""
+        if self.warmup_done:
+            return None
         ready = None
         for t in self.buckets.token_buckets():
             if t not in self._executables:
