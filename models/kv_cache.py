@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
+from models.sharding import MODEL_AXIS
 from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_packed_attention
 from pallas_kernels.paged_attention.ops import packed_paged_attention
 from pallas_kernels.paged_attention.reference import write_kv
@@ -47,7 +49,8 @@ class PagedKVCache:
     copy of the pool, and the layers can run under one scan with the cache updated in place.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, attention_impl: str = "auto"):
+    def __init__(self, num_blocks: int, block_size: int, attention_impl: str = "auto", mesh: Mesh | None = None):
+        self.mesh = mesh  # KV heads split over its "model" axis; None: one device
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.attention_impl = attention_impl
@@ -57,10 +60,13 @@ class PagedKVCache:
 
     def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale):
         """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D])."""
-        k_all, v_all, tables = _write(kv, layer, self.num_blocks, self.block_size, k, v, md)
-        out = packed_paged_attention(q, k_all, v_all, tables, md.kv_lens, md.cu_q_lens, scale=scale,
-                                     impl=self.attention_impl)
-        return (k_all, v_all), out
+        def attend(kv, layer, q, k, v, md):
+            k_all, v_all, tables = _write(kv, layer, self.num_blocks, self.block_size, k, v, md)
+            out = packed_paged_attention(q, k_all, v_all, tables, md.kv_lens, md.cu_q_lens, scale=scale,
+                                         impl=self.attention_impl)
+            return (k_all, v_all), out
+
+        return per_device(attend, self.mesh)(kv, layer, q, k, v, md)
 
 
 class DenseKVCache:
@@ -75,7 +81,9 @@ class DenseKVCache:
     the two backends are compared on equal kernels).
     """
 
-    def __init__(self, num_slots: int, max_model_len: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(self, num_slots: int, max_model_len: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 mesh: Mesh | None = None):
+        self.mesh = mesh  # KV heads split over its "model" axis; None: one device
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.chunk_tokens = chunk_tokens
@@ -93,10 +101,25 @@ class DenseKVCache:
 
     def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale):
         """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D])."""
-        k_all, v_all, tables = _write(kv, layer, self.num_slots, self.max_model_len, k, v, md)
-        out = dense_packed_attention(q, k_all, v_all, tables[:, 0], md.kv_lens, md.cu_q_lens, scale=scale,
-                                     chunk_tokens=self.chunk_tokens)
-        return (k_all, v_all), out
+        def attend(kv, layer, q, k, v, md):
+            k_all, v_all, tables = _write(kv, layer, self.num_slots, self.max_model_len, k, v, md)
+            out = dense_packed_attention(q, k_all, v_all, tables[:, 0], md.kv_lens, md.cu_q_lens, scale=scale,
+                                         chunk_tokens=self.chunk_tokens)
+            return (k_all, v_all), out
+
+        return per_device(attend, self.mesh)(kv, layer, q, k, v, md)
+
+
+def per_device(fn, mesh: Mesh | None):
+    """`fn(kv, layer, q [T, H, D], k, v [T, Hkv, D], md)` run on each device's own KV heads
+    under shard_map: the cache, q, k and v split on their head axis over "model", the layer
+    index and metadata replicated, so attention needs no collective. As is on one device."""
+    if mesh is None or mesh.size == 1:
+        return fn
+    heads = P(None, MODEL_AXIS)
+    cache = (P(MODEL_AXIS), P(MODEL_AXIS))
+    return jax.shard_map(fn, mesh=mesh, in_specs=(cache, P(), heads, heads, heads, P()),
+                         out_specs=(cache, heads), check_vma=False)
 
 
 def _write(kv: KVCache, layer, num_blocks: int, block_size: int, k, v, md: AttentionMetadata):
@@ -130,3 +153,12 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
         return tuple(x.at[:, layer_base + dst[i]].set(x[:, layer_base + src[i]]) for x in caches)
 
     return jax.lax.fori_loop(0, jnp.sum(dst < num_blocks), body, tuple(kv))
+
+
+def copy_blocks_sharded(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array, mesh: Mesh | None) -> KVCache:
+    """copy_blocks on each device's own KV heads (see per_device)."""
+    if mesh is None or mesh.size == 1:
+        return copy_blocks(kv, num_layers, src, dst)
+    cache = (P(MODEL_AXIS), P(MODEL_AXIS))
+    return jax.shard_map(lambda kv, s, d: copy_blocks(kv, num_layers, s, d), mesh=mesh,
+                         in_specs=(cache, P(), P()), out_specs=cache, check_vma=False)(tuple(kv), src, dst)

@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import NamedSharding
+
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, KVCache
+from models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
 
 
 def rms_norm(x, weight, eps):
@@ -43,18 +46,31 @@ def apply_rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]).astype(x.dtype)
 
 
-def _param(arrays: dict, name: str, dtype):
-    return nnx.Param(jnp.asarray(arrays[name], dtype=dtype))
+class Placement:
+    """Where parameters go: the default device (mesh None), or each array's shards straight
+    to their devices on `mesh` (models.sharding), so no device ever holds a whole split weight."""
+
+    def __init__(self, dtype, mesh=None, layout: TPLayout | None = None, stacked: bool = False):
+        self.dtype, self.mesh, self.layout, self.stacked = dtype, mesh, layout, stacked
+
+    def __call__(self, arrays: dict, name: str) -> nnx.Param:
+        if self.mesh is None:
+            return nnx.Param(jnp.asarray(arrays[name], dtype=self.dtype))
+        x = np.asarray(arrays[name], dtype=self.dtype)
+        spec = param_spec(name, x.ndim, self.stacked, self.layout)
+        return nnx.Param(jax.device_put(x, NamedSharding(self.mesh, spec)))
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, arrays: dict, dtype):
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    def __init__(self, cfg: ModelConfig, arrays: dict, place: Placement, layout: TPLayout):
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, layout.num_kv_heads, cfg.head_dim
+        self.num_shards = layout.tp
         self.eps = cfg.rms_norm_eps
-        self.wqkv = _param(arrays, "wqkv", dtype)  # [(H + 2 Hkv) D, E]: q, k, v projections fused
-        self.wo = _param(arrays, "wo", dtype)  # [E, H D]
+        # [(H + 2 Hkv) D, E]: q, k, v projections fused, as num_shards groups [q_g | k_g | v_g]
+        self.wqkv = place(arrays, "wqkv")
+        self.wo = place(arrays, "wo")  # [E, H D]
         for name in ("bqkv", "bo", "q_norm", "k_norm"):
-            setattr(self, name, _param(arrays, name, dtype) if name in arrays else None)
+            setattr(self, name, place(arrays, name) if name in arrays else None)
 
     def __call__(self, x, cos, sin, kv: KVCache, layer, md: AttentionMetadata, cache):
         """x [T,E] (the step's packed tokens) -> (new kv, out [T,E])."""
@@ -63,9 +79,12 @@ class Attention(nnx.Module):
         qkv = linear(x, self.wqkv[...])
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...]
-        q = qkv[:, :h * d].reshape(t, h, d)  # [T, H, D]
-        k = qkv[:, h * d:(h + hkv) * d].reshape(t, hkv, d)  # [T, Hkv, D]
-        v = qkv[:, (h + hkv) * d:].reshape(t, hkv, d)
+        g = self.num_shards
+        hq, hk = h // g, hkv // g
+        qkv = qkv.reshape(t, g, hq + 2 * hk, d)  # each shard's [q_g | k_g | v_g] heads
+        q = qkv[:, :, :hq].reshape(t, h, d)  # [T, H, D]
+        k = qkv[:, :, hq:hq + hk].reshape(t, hkv, d)  # [T, Hkv, D]
+        v = qkv[:, :, hq + hk:].reshape(t, hkv, d)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
@@ -78,22 +97,26 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, arrays: dict, dtype):
-        self.w_gate_up = _param(arrays, "w_gate_up", dtype)  # [2 I, E]: gate and up fused
-        self.w_down = _param(arrays, "w_down", dtype)  # [E, I]
+    def __init__(self, arrays: dict, place: Placement, layout: TPLayout):
+        self.w_gate_up = place(arrays, "w_gate_up")  # [2 I, E]: gate and up fused, as shards [gate_g | up_g]
+        self.w_down = place(arrays, "w_down")  # [E, I]
+        self.num_shards = layout.tp
 
     def __call__(self, x):
-        gate, up = jnp.split(linear(x, self.w_gate_up[...]), 2, axis=-1)
+        gu = linear(x, self.w_gate_up[...])  # [T, 2 I]
+        i = gu.shape[-1] // 2
+        gu = gu.reshape(*gu.shape[:-1], self.num_shards, 2, i // self.num_shards)
+        gate, up = gu[..., 0, :].reshape(*gu.shape[:-3], i), gu[..., 1, :].reshape(*gu.shape[:-3], i)
         return linear(jax.nn.silu(gate) * up, self.w_down[...])
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, arrays: dict, dtype):
+    def __init__(self, cfg: ModelConfig, arrays: dict, place: Placement, layout: TPLayout):
         self.eps = cfg.rms_norm_eps
-        self.input_norm = _param(arrays, "input_norm", dtype)
-        self.post_attention_norm = _param(arrays, "post_attention_norm", dtype)
-        self.attn = Attention(cfg, arrays, dtype)
-        self.mlp = MLP(arrays, dtype)
+        self.input_norm = place(arrays, "input_norm")
+        self.post_attention_norm = place(arrays, "post_attention_norm")
+        self.attn = Attention(cfg, arrays, place, layout)
+        self.mlp = MLP(arrays, place, layout)
 
     def __call__(self, x, cos, sin, kv, layer, md, cache):
         kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, kv, layer, md, cache)
@@ -112,18 +135,23 @@ class CausalLM(nnx.Module):
     dynamic slice into a dot there), which costs a full extra pass over the weights per step.
     """
 
-    def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, scan_layers: bool = False):
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, scan_layers: bool = False,
+                 mesh=None):
         self.config = cfg
         self.scan_layers = scan_layers
-        self.embed = _param(arrays, "embed", dtype)  # [V, E]
-        layers = arrays["layers"]
+        layout = tp_layout(cfg, 1 if mesh is None else mesh.shape["model"])
+        self.num_kv_heads = layout.num_kv_heads  # stored (replicated up to tp when tp > the model's)
+        place = Placement(dtype, mesh, layout)
+        self.embed = place(arrays, "embed")  # [V, E]
+        layers = [regroup_layer(layer, cfg, layout) for layer in arrays["layers"]]
         if scan_layers:
             stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
-            self.layers = DecoderLayer(cfg, stacked, dtype)  # every parameter [L, ...]
+            # every parameter [L, ...]
+            self.layers = DecoderLayer(cfg, stacked, Placement(dtype, mesh, layout, stacked=True), layout)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, layer, dtype) for layer in layers])
-        self.norm = _param(arrays, "norm", dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(arrays, "lm_head", dtype)  # [V, E]
+            self.layers = nnx.List([DecoderLayer(cfg, layer, place, layout) for layer in layers])
+        self.norm = place(arrays, "norm")
+        self.lm_head = None if cfg.tie_word_embeddings else place(arrays, "lm_head")  # [V, E]
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
 
     def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache):

@@ -23,18 +23,24 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     attention_impl: str = "auto"
     scan_layers: bool | None = None  # None: scan on accelerators, unrolled on CPU (models.loader)
+    tensor_parallel_size: int = 1  # devices the weights and KV heads are split over ("model" axis)
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def positive(name, value):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                     "tensor_parallel_size", "data_parallel_size"):
             positive(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens must be at least 16, got {self.max_num_batched_tokens}")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size}: data parallelism is not implemented "
+                             f"yet; use tensor_parallel_size to spread one engine over several devices")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
@@ -56,7 +62,8 @@ class EngineConfig:
         """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests need.
 
         block_size defaults to self.block_size; the dense backend passes max_model_len (a block
-        is one request's slot), so the same budget gives its number of slots.
+        is one request's slot), so the same budget gives its number of slots. weight_bytes:
+        what one device holds of the weights.
         """
         import jax
 
@@ -65,8 +72,9 @@ class EngineConfig:
         elif jax.default_backend() == "cpu":
             budget = CPU_KV_BUDGET_BYTES
         else:
+            # per device (weight_bytes: one device's share); the pool is split over tp devices
             stats = jax.devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0) - weight_bytes
-            budget = int(max(free, 0) * ACCELERATOR_KV_FRACTION)
+            budget = int(max(free, 0) * ACCELERATOR_KV_FRACTION) * self.tensor_parallel_size
         per_seq = -(-self.max_model_len // (block_size or self.block_size))
         return max(1, min(budget // bytes_per_block, self.max_num_seqs * per_seq))

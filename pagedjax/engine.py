@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from flax import nnx
 
 from models.kv_cache import DenseKVCache, PagedKVCache
 from models.loader import load_model
@@ -19,6 +20,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.memory import KVMemory, kv_memory
 from pagedjax.model_runner import ModelRunner
+from pagedjax.parallel import bytes_per_device, make_mesh
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
@@ -57,19 +59,21 @@ class LLMEngine:
         compile_counter.install()
         compile_counter.enable_persistent_cache()
         self.config = EngineConfig(model=model, **engine_kwargs)
-        self.model, self.model_config, self.tokenizer = load_model(model, self.config.dtype, self.config.scan_layers)
         cfg = self.config
+        self.mesh = make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
+        self.model, self.model_config, self.tokenizer = load_model(model, cfg.dtype, cfg.scan_layers, self.mesh)
         cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len
         self.model_name = _model_name(model)
         self.stream_text = stream_text
         mc = self.model_config
         kv_dtype = self.model.embed[...].dtype
-        self.kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_dtype.itemsize
+        # KV heads as stored: replicated up to tensor_parallel_size when the model has fewer
+        self.kv_bytes_per_token = 2 * mc.num_layers * self.model.num_kv_heads * mc.head_dim * kv_dtype.itemsize
         # dense: a block is one request's whole max_model_len slot, taken at admission, no sharing
         dense = cfg.kv_cache == "dense"
         block_size = cfg.max_model_len if dense else cfg.block_size
-        weight_bytes = sum(x.nbytes for x in _leaves(self.model))
+        weight_bytes = max(bytes_per_device(nnx.state(self.model)).values())  # one device's share
         if cfg.num_blocks is None:
             cfg.num_blocks = cfg.default_num_blocks(self.kv_bytes_per_token * block_size, weight_bytes, block_size)
         self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None
@@ -79,11 +83,11 @@ class LLMEngine:
         self.pool = BlockPool(cfg.num_blocks, block_size, cfg.enable_prefix_caching and not dense)
         self.scheduler = Scheduler(self.pool, self.buckets, cfg.max_model_len)
         if dense:
-            cache = DenseKVCache(cfg.num_blocks, cfg.max_model_len)
+            cache = DenseKVCache(cfg.num_blocks, cfg.max_model_len, mesh=self.mesh)
         else:
-            cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl)
+            cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl, mesh=self.mesh)
         max_blocks = -(-cfg.max_model_len // block_size)
-        self.runner = ModelRunner(self.model, self.buckets, cache, max_blocks, kv_dtype)
+        self.runner = ModelRunner(self.model, self.buckets, cache, max_blocks, kv_dtype, self.mesh)
         self.eos_token_ids = tuple(mc.eos_token_ids) or _tokenizer_eos(self.tokenizer)
         self._groups: dict[str, _Group] = {}
         self._beam_groups: dict[str, BeamGroup] = {}
@@ -300,18 +304,14 @@ class LLMEngine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},
             "kv_utilization": mem.utilization,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "weight_bytes_per_device": bytes_per_device(self.runner.state),
+            "kv_pool_bytes_per_device": bytes_per_device(self.runner.kv),
         }
 
     def kv_memory(self) -> KVMemory:
         """KV memory accounting from the block pool's state now (see pagedjax.memory)."""
         return kv_memory(self.pool, self.scheduler.running, self.max_model_len, self.kv_budget_tokens)
-
-
-def _leaves(model):
-    import jax
-    from flax import nnx
-
-    return jax.tree_util.tree_leaves(nnx.state(model))
 
 
 def _model_name(model) -> str:

@@ -19,8 +19,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.kv_cache import AttentionMetadata, copy_blocks, init_kv_cache
+from models.kv_cache import AttentionMetadata, copy_blocks_sharded, init_kv_cache
+from models.sharding import MODEL_AXIS
 from pagedjax.buckets import Buckets
+from pagedjax.parallel import make_mesh, replicated
 from pagedjax.sampler import SamplingInputs, sample
 from pagedjax.scheduler import SchedulerOutput
 
@@ -55,12 +57,14 @@ class ModelRunner:
         self.cache = cache
         self.block_size = cache.block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("tp",))
-        replicated = NamedSharding(self.mesh, P())
+        self.mesh = mesh or make_mesh()
+        self._replicated = replicated(self.mesh)
         self.graphdef, state = nnx.split(model)
-        self.state = jax.device_put(state, replicated)
-        kv_sharding = NamedSharding(self.mesh, P("tp") if cfg.num_kv_heads % self.mesh.size == 0 else P())
-        self.kv = init_kv_cache(cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding)
+        # tensor-parallel weights stay where the loader put their shards; the rest is replicated
+        self.state = jax.tree.map(lambda x: x if _placed_on(x, self.mesh) else jax.device_put(x, self._replicated),
+                                  state)
+        kv_sharding = NamedSharding(self.mesh, P(MODEL_AXIS))  # KV heads split over "model"
+        self.kv = init_kv_cache(cache, cfg.num_layers, model.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding)
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                    (self.state, self.kv))
         self._step = jax.jit(self._forward, donate_argnums=(1,))
@@ -72,10 +76,13 @@ class ModelRunner:
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
 
     def _forward(self, state, kv, inputs: StepInputs, sampling: SamplingInputs, copies):
-        kv = copy_blocks(kv, self.num_layers, *copies)  # copy-on-write before anything is written
+        kv = copy_blocks_sharded(kv, self.num_layers, *copies, self.mesh)  # copy-on-write before any write
         model = nnx.merge(self.graphdef, state)
         hidden, kv = model(inputs.tokens, inputs.md, kv, self.cache)  # [T, E]
-        return kv, sample(model.logits(hidden[inputs.logits_indices]), sampling)
+        # vocabulary-split logits are gathered on device (not to the host), so sampling sees
+        # exactly what one device sees
+        logits = jax.lax.with_sharding_constraint(model.logits(hidden[inputs.logits_indices]), self._replicated)
+        return kv, sample(logits, sampling)
 
     # -- compiled shapes ------------------------------------------------------------------
     @property
@@ -91,7 +98,8 @@ class ModelRunner:
         with self._compile_lock:
             if t not in self._executables:
                 inputs, sampling, copies = self._idle_inputs(t)
-                specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                                    sharding=self._replicated),
                                      (inputs, sampling, copies))
                 self._executables[t] = self._step.lower(*self._specs, *specs).compile()
             return self._executables[t]
@@ -216,6 +224,11 @@ class ModelRunner:
             result = _TokensOnly(np.asarray(jax.device_get(result.tokens)))
         self.last_wait_s = time.perf_counter() - wait  # host blocked on the device
         return result
+
+
+def _placed_on(x, mesh: Mesh) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
 
 
 @dataclass(frozen=True)

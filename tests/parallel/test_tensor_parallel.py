@@ -1,0 +1,83 @@
+"""Tensor parallelism on 8 virtual CPU devices (tp_cases.py runs them in a subprocess)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CASES = Path(__file__).with_name("tp_cases.py")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, str(CASES), str(out)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, f"tp_cases.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_identical_for_every_tp_and_to_transformers(results, family):
+    fam = results["families"][family]
+    assert fam["1"]["tokens"] == fam["transformers"]
+    sizes = [k for k in fam if k not in ("1", "transformers")]
+    assert sizes
+    for tp in sizes:
+        assert fam[tp]["tokens"] == fam["1"]["tokens"], f"{family} tp={tp}"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_weights_and_kv_pool_are_split(results, family):
+    """Read from the arrays' shards: each device holds about 1/tp of the weights (norms are
+    replicated, and so are the k/v projections of KV heads when tp exceeds them), and 1/tp
+    of the KV pool, or one KV head when tp exceeds the KV heads."""
+    fam = results["families"][family]
+    for tp in (k for k in fam if k not in ("1", "transformers")):
+        mem, n = fam[tp]["memory"], int(tp)
+        assert len(mem["weights_per_device"]) == n and len(mem["kv_per_device"]) == n
+        one_device_weights = fam["1"]["memory"]["weights_total"]
+        slack = 1.1 if n <= _kv_heads(family) else 1.3
+        for b in mem["weights_per_device"].values():
+            assert b <= one_device_weights / n * slack, (tp, b, one_device_weights)
+        kv_one = fam["1"]["memory"]["kv_total"]
+        for b in mem["kv_per_device"].values():
+            assert b == mem["kv_total"] // n
+            assert b <= max(kv_one / n, kv_one / _kv_heads(family))
+
+
+def _kv_heads(family):
+    from tiny_models import FAMILIES
+
+    return FAMILIES[family][2]["num_key_value_heads"]
+
+
+def test_sampling_logprobs_and_beam_search_identical_under_tp2(results):
+    one, two = results["llama_tp1"], results["llama_tp2"]
+    assert two["n3"] == one["n3"]
+    assert len({tuple(s) for s in one["n3"][0]}) > 1  # the three samples really differ
+    assert two["beam"] == one["beam"]
+    assert two["greedy_scan"] == one["greedy_scan"]
+    assert two["dense"] == one["dense"]
+    for a, b in zip(_flat(one["logprobs"]), _flat(two["logprobs"])):
+        assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
+
+
+def _flat(lp):
+    return [pair for req in lp for seq in req for step in seq for pair in step]
+
+
+def test_no_compilation_after_warmup_under_tp2(results):
+    assert results["llama_tp2"]["compilations_after_warmup"] == 0
+    assert results["llama_tp1"]["compilations_after_warmup"] == 0
+
+
+def test_impossible_layouts_are_refused_with_what_works(results):
+    assert "sizes that work: [1, 2, 4]" in results["errors"]["tp3"]
+    assert "needs 16 devices" in results["errors"]["tp16"]

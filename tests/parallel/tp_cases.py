@@ -1,0 +1,93 @@
+"""Runs the tensor-parallel cases on 8 virtual CPU devices and prints one JSON object.
+
+Started by test_tensor_parallel.py in a subprocess of its own: the device count must be set
+before jax is imported, so these cases cannot share a process with the rest of the suite.
+
+    python tests/parallel/tp_cases.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("PAGEDJAX_COMPILE_CACHE", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
+
+from tiny_models import hf_greedy, make_checkpoint  # noqa: E402
+
+from pagedjax import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], list(range(20, 60))]
+# query / KV heads: llama 4 / 2, mistral 4 / 1, qwen2 4 / 4, qwen3 8 / 2 (tp 4 and 8 over 2 KV heads
+# and tp 4 over 1 replicate KV heads)
+TP_SIZES = {"llama": (2, 4), "mistral": (4,), "qwen2": (4,), "qwen3": (2, 8)}
+ENGINE = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=64, max_model_len=256)
+
+
+def greedy(llm, n_tokens=10):
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n_tokens, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def memory(llm):
+    s = llm.stats()
+    total_w = sum(x.nbytes for x in _leaves(llm.engine.runner.state))
+    total_kv = sum(x.nbytes for x in llm.engine.runner.kv)
+    return {"weights_per_device": s["weight_bytes_per_device"], "kv_per_device": s["kv_pool_bytes_per_device"],
+            "weights_total": total_w, "kv_total": total_kv}
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def main(out_dir: Path) -> dict:
+    res: dict = {"families": {}}
+    for family, sizes in TP_SIZES.items():
+        path = out_dir / family
+        torch_model = make_checkpoint(family, path)
+        fam = res["families"][family] = {}
+        fam["transformers"] = [hf_greedy(torch_model, p, 10) for p in PROMPTS]
+        for tp in (1, *sizes):
+            llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE)
+            fam[str(tp)] = {"tokens": greedy(llm), "memory": memory(llm)}
+            del llm
+    llama = str(out_dir / "llama")
+    sampled = SamplingParams(n=3, max_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True, logprobs=2)
+    beam = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    for tp in (1, 2):
+        llm = LLM(llama, tensor_parallel_size=tp, scan_layers=True, **ENGINE)
+        llm.wait_for_warmup()
+        before = llm.stats()["num_compilations"]
+        outs = llm.generate(PROMPTS, sampled, use_tqdm=False)
+        case = res[f"llama_tp{tp}"] = {
+            "n3": [[list(c.token_ids) for c in o.outputs] for o in outs],
+            "logprobs": [[[sorted(d.items()) for d in c.logprobs] for c in o.outputs] for o in outs],
+            "beam": [[list(s.token_ids) for s in b.sequences] for b in llm.beam_search(PROMPTS[:2], params=beam)],
+            "greedy_scan": greedy(llm, 20),
+        }
+        case["compilations_after_warmup"] = llm.stats()["num_compilations"] - before
+        dense = LLM(llama, tensor_parallel_size=tp, kv_cache="dense", max_num_batched_tokens=32, max_num_seqs=4,
+                    num_blocks=4, max_model_len=128)
+        case["dense"] = greedy(dense)
+        del llm, dense
+    errors = {}
+    for label, kwargs in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16)}.items():
+        try:
+            LLM(llama, **kwargs, **ENGINE)
+            errors[label] = None
+        except ValueError as e:
+            errors[label] = str(e)
+    res["errors"] = errors
+    return res
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    print("RESULT " + json.dumps(main(out)))
