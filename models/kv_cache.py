@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from models.sharding import MODEL_AXIS
+from models.sharding import DATA_AXIS, MODEL_AXIS
 from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_packed_attention
 from pallas_kernels.paged_attention.ops import packed_paged_attention
 from pallas_kernels.paged_attention.reference import write_kv
@@ -110,16 +110,20 @@ class DenseKVCache:
         return per_device(attend, self.mesh)(kv, layer, q, k, v, md)
 
 
+_CACHE_SPEC = (P(MODEL_AXIS, DATA_AXIS), P(MODEL_AXIS, DATA_AXIS))
+
+
 def per_device(fn, mesh: Mesh | None):
     """`fn(kv, layer, q [T, H, D], k, v [T, Hkv, D], md)` run on each device's own KV heads
-    under shard_map: the cache, q, k and v split on their head axis over "model", the layer
-    index and metadata replicated, so attention needs no collective. As is on one device."""
+    and data rank under shard_map: the cache split on its head axis over "model" and its
+    block axis over "data" (each rank its own pool), q, k and v on heads and tokens, the
+    metadata on its leading axis over "data" (each rank its own rows, replicated over
+    "model"), so attention needs no collective. As is on one device."""
     if mesh is None or mesh.size == 1:
         return fn
-    heads = P(None, MODEL_AXIS)
-    cache = (P(MODEL_AXIS), P(MODEL_AXIS))
-    return jax.shard_map(fn, mesh=mesh, in_specs=(cache, P(), heads, heads, heads, P()),
-                         out_specs=(cache, heads), check_vma=False)
+    heads = P(DATA_AXIS, MODEL_AXIS)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(_CACHE_SPEC, P(), heads, heads, heads, P(DATA_AXIS)),
+                         out_specs=(_CACHE_SPEC, heads), check_vma=False)
 
 
 def _write(kv: KVCache, layer, num_blocks: int, block_size: int, k, v, md: AttentionMetadata):
@@ -131,9 +135,12 @@ def _write(kv: KVCache, layer, num_blocks: int, block_size: int, k, v, md: Atten
     return k_all, v_all, md.block_tables + offset
 
 
-def init_kv_cache(cache, num_layers: int, num_kv_heads: int, head_dim: int, dtype, sharding=None) -> KVCache:
-    """Zeroed (k, v) arrays for `cache` (PagedKVCache or DenseKVCache)."""
-    shape = cache.shape(num_layers, num_kv_heads, head_dim)
+def init_kv_cache(cache, num_layers: int, num_kv_heads: int, head_dim: int, dtype, sharding=None,
+                  data_parallel: int = 1) -> KVCache:
+    """Zeroed (k, v) arrays for `cache` (PagedKVCache or DenseKVCache); with data_parallel
+    ranks, rank r's whole pool follows rank r - 1's on the block axis."""
+    shape = list(cache.shape(num_layers, num_kv_heads, head_dim))
+    shape[1] *= data_parallel
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return make(), make()
 
@@ -159,6 +166,6 @@ def copy_blocks_sharded(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.A
     """copy_blocks on each device's own KV heads (see per_device)."""
     if mesh is None or mesh.size == 1:
         return copy_blocks(kv, num_layers, src, dst)
-    cache = (P(MODEL_AXIS), P(MODEL_AXIS))
     return jax.shard_map(lambda kv, s, d: copy_blocks(kv, num_layers, s, d), mesh=mesh,
-                         in_specs=(cache, P(), P()), out_specs=cache, check_vma=False)(tuple(kv), src, dst)
+                         in_specs=(_CACHE_SPEC, P(DATA_AXIS), P(DATA_AXIS)), out_specs=_CACHE_SPEC,
+                         check_vma=False)(tuple(kv), src, dst)

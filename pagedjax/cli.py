@@ -19,13 +19,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache", choices=["paged", "dense"], default="paged")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds derive from it)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="devices to split the weights and KV heads over (default 1)")
+    g.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="data-parallel ranks (default 1)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs or 64,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
-                seed=args.seed)
+                seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size)
 
 
 def _generate_parser(sub) -> None:

@@ -24,7 +24,7 @@ class EngineConfig:
     attention_impl: str = "auto"
     scan_layers: bool | None = None  # None: scan on accelerators, unrolled on CPU (models.loader)
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over ("model" axis)
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1  # ranks with their own block pool and rows ("data" axis); num_blocks, max_num_seqs per rank
 
     def __post_init__(self) -> None:
         def positive(name, value):
@@ -38,9 +38,6 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens must be at least 16, got {self.max_num_batched_tokens}")
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size}: data parallelism is not implemented "
-                             f"yet; use tensor_parallel_size to spread one engine over several devices")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

@@ -5,7 +5,7 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 from flax import nnx
@@ -17,6 +17,7 @@ from pagedjax.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from pagedjax.block_pool import BlockPool
 from pagedjax.buckets import Buckets
 from pagedjax.config import EngineConfig
+from pagedjax.data_parallel import DataParallelRouter
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.memory import KVMemory, kv_memory
 from pagedjax.model_runner import ModelRunner
@@ -80,14 +81,21 @@ class LLMEngine:
                                  else int(cfg.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_token)
         max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
         self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens)
-        self.pool = BlockPool(cfg.num_blocks, block_size, cfg.enable_prefix_caching and not dense)
-        self.scheduler = Scheduler(self.pool, self.buckets, cfg.max_model_len)
+        # one block pool and scheduler per data-parallel rank; num_blocks and max_num_seqs are per rank
+        self.pools = [BlockPool(cfg.num_blocks, block_size, cfg.enable_prefix_caching and not dense)
+                      for _ in range(cfg.data_parallel_size)]
+        self.schedulers = [Scheduler(pool, self.buckets, cfg.max_model_len) for pool in self.pools]
+        self.pool, self.scheduler = self.pools[0], self.schedulers[0]  # the only ones without data parallelism
+        self.router = DataParallelRouter(self.schedulers)
         if dense:
             cache = DenseKVCache(cfg.num_blocks, cfg.max_model_len, mesh=self.mesh)
         else:
             cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl, mesh=self.mesh)
         max_blocks = -(-cfg.max_model_len // block_size)
         self.runner = ModelRunner(self.model, self.buckets, cache, max_blocks, kv_dtype, self.mesh)
+        # read once from the arrays' shards (their placement never changes)
+        self.weight_bytes_per_device = bytes_per_device(self.runner.state)
+        self.kv_pool_bytes_per_device = bytes_per_device(self.runner.kv)
         self.eos_token_ids = tuple(mc.eos_token_ids) or _tokenizer_eos(self.tokenizer)
         self._groups: dict[str, _Group] = {}
         self._beam_groups: dict[str, BeamGroup] = {}
@@ -121,8 +129,10 @@ class LLMEngine:
         reqs[0].pending_forks, reqs[0].reserved_seats, reqs[0].cache_salt = reqs[1:], len(reqs) - 1, cache_salt
         for child in reqs[1:]:
             child.cache_salt = cache_salt
-        self.scheduler.add(reqs[0])
+        rank = self.router.route(reqs[0])
+        self.schedulers[rank].add(reqs[0])
         for i, req in enumerate(reqs):
+            req.dp_rank = rank
             incremental = self.tokenizer is not None and (self.stream_text or bool(params.stop_strings))
             seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None)
             group.seqs.append(seq)
@@ -150,28 +160,38 @@ class LLMEngine:
         """Ends a request at once and returns its blocks; unknown ids are ignored."""
         beam_group = self._beam_groups.pop(request_id, None)
         if beam_group is not None:
-            beam_group.abort(self.scheduler)
+            beam_group.abort(self.schedulers[beam_group.root.dp_rank])
         group = self._groups.pop(request_id, None)
         if group is None:
             return
         for seq in group.seqs:
-            self.scheduler.finish(seq.req, "abort")
+            self.schedulers[seq.req.dp_rank].finish(seq.req, "abort")
             self._forget(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(s.has_unfinished() for s in self.schedulers)
 
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one model step; returns the outputs of requests that changed."""
-        self.scheduler.token_budget = self.runner.ready_tokens() or self.buckets.max_num_batched_tokens
-        out = self.scheduler.schedule()
-        if out is None:
+        budget = self.runner.ready_tokens() or self.buckets.max_num_batched_tokens
+        outs = []
+        for sched in self.schedulers:
+            sched.token_budget = budget
+            outs.append(sched.schedule())
+        if all(out is None for out in outs):
             return []
-        result = self.runner.execute(out)
+        result = self.runner.execute(outs)
         self.num_steps += 1
-        self.num_computed_prompt_tokens += out.num_prefill_tokens
-        produced = self.scheduler.update(out, result.tokens[:len(out.requests)].tolist())
+        produced = []
+        rows = self.runner.rows_per_rank(outs)
+        for rank, (sched, out) in enumerate(zip(self.schedulers, outs)):
+            if out is None:
+                continue
+            self.num_computed_prompt_tokens += out.num_prefill_tokens
+            base = rank * rows  # rank r's rows of the step: [r * rows, r * rows + len(out.requests))
+            tokens = result.tokens[base:base + len(out.requests)].tolist()
+            produced += [(req, base + row, tok) for req, row, tok in sched.update(out, tokens)]
         touched: dict[str, _Group] = {}
         beams_touched: dict[int, BeamGroup] = {}
         now = time.monotonic()
@@ -187,14 +207,14 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             self.num_generated_tokens += 1
-            self.scheduler.check_stop(req, token)
+            self.schedulers[req.dp_rank].check_stop(req, token)
             seq = self._seq_of[req.request_id]
             if seq.detok is not None:
                 self._append_text(seq, token)
             touched[req.request_id] = self._group_of[req.request_id]
         for bg in beams_touched.values():
             if bg.ready():
-                bg.advance(self.scheduler)
+                bg.advance(self.schedulers[bg.root.dp_rank])
                 self.num_generated_tokens += len(bg.beams)
                 if bg.done:
                     self._beam_groups.pop(bg.request_id, None)
@@ -215,7 +235,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         _, ids = self._tokenize(prompt)
         group = BeamGroup(request_id, ids, params, self.eos_token_ids)
-        self.scheduler.add(group.root)
+        rank = self.router.route(group.root)
+        self.schedulers[rank].add(group.root)
         self._beam_groups[request_id] = group
 
     def _append_text(self, seq: _Sequence, token: int) -> None:
@@ -235,7 +256,7 @@ class LLMEngine:
         if seq.req.is_finished:  # finished by length on the same token: the stop string wins
             seq.req.finish_reason, seq.req.stop_reason = "stop", stop
         else:
-            self.scheduler.finish(seq.req, "stop", stop)
+            self.schedulers[seq.req.dp_rank].finish(seq.req, "stop", stop)
 
     def _text(self, seq: _Sequence) -> str:
         req = seq.req
@@ -279,20 +300,13 @@ class LLMEngine:
         self.runner.wait_for_warmup()
 
     def stats(self) -> dict:
-        s = self.scheduler
+        """Totals over the data-parallel ranks; "data_parallel_ranks" has each rank's own."""
         mem = self.kv_memory()
+        ranks = [_rank_stats(p, s) for p, s in zip(self.pools, self.schedulers)]
+        totals = {k: sum(r[k] for r in ranks) for k in ranks[0]}
         return {
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_free": self.pool.num_free,
-            "kv_blocks_cached": self.pool.num_cached,
+            **totals,
             "block_size": self.pool.block_size,
-            "num_requests_running": len(s.running),
-            "num_requests_waiting": len(s.waiting),
-            "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
-            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
-            "num_preemptions": s.num_preemptions,
-            "num_forks": s.num_forks,
-            "num_cow_copies": self.pool.num_cow_copies,
             "num_compilations": compile_counter.num_compilations(),
             "num_compiled_shapes": len(self.runner.compiled_shapes),
             "num_step_shapes": len(self.buckets.token_buckets()),
@@ -305,13 +319,35 @@ class LLMEngine:
             **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},
             "kv_utilization": mem.utilization,
             "tensor_parallel_size": self.config.tensor_parallel_size,
-            "weight_bytes_per_device": bytes_per_device(self.runner.state),
-            "kv_pool_bytes_per_device": bytes_per_device(self.runner.kv),
+            "data_parallel_size": self.config.data_parallel_size,
+            "weight_bytes_per_device": self.weight_bytes_per_device,
+            "kv_pool_bytes_per_device": self.kv_pool_bytes_per_device,
+            "data_parallel_ranks": ranks,
         }
 
     def kv_memory(self) -> KVMemory:
-        """KV memory accounting from the block pool's state now (see pagedjax.memory)."""
-        return kv_memory(self.pool, self.scheduler.running, self.max_model_len, self.kv_budget_tokens)
+        """KV memory accounting from the block pools' state now (see pagedjax.memory), summed
+        over the data-parallel ranks."""
+        budget = self.kv_budget_tokens
+        each = [kv_memory(p, s.running, self.max_model_len, budget) for p, s in zip(self.pools, self.schedulers)]
+        if len(each) == 1:
+            return each[0]
+        return KVMemory(**{f.name: sum(getattr(m, f.name) for m in each) for f in fields(KVMemory)})
+
+
+def _rank_stats(pool: BlockPool, s: Scheduler) -> dict:
+    return {
+        "kv_blocks_total": pool.num_blocks,
+        "kv_blocks_free": pool.num_free,
+        "kv_blocks_cached": pool.num_cached,
+        "num_requests_running": len(s.running),
+        "num_requests_waiting": len(s.waiting),
+        "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
+        "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+        "num_preemptions": s.num_preemptions,
+        "num_forks": s.num_forks,
+        "num_cow_copies": pool.num_cow_copies,
+    }
 
 
 def _model_name(model) -> str:

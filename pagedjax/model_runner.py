@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.kv_cache import AttentionMetadata, copy_blocks_sharded, init_kv_cache
-from models.sharding import MODEL_AXIS
+from models.sharding import DATA_AXIS, MODEL_AXIS
 from pagedjax.buckets import Buckets
 from pagedjax.parallel import make_mesh, replicated
 from pagedjax.sampler import SamplingInputs, sample
@@ -58,13 +58,17 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.mesh = mesh or make_mesh()
+        self.dp = self.mesh.shape[DATA_AXIS]
         self._replicated = replicated(self.mesh)
+        self._by_rank = NamedSharding(self.mesh, P(DATA_AXIS))  # step inputs: each rank its rows
         self.graphdef, state = nnx.split(model)
         # tensor-parallel weights stay where the loader put their shards; the rest is replicated
         self.state = jax.tree.map(lambda x: x if _placed_on(x, self.mesh) else jax.device_put(x, self._replicated),
                                   state)
-        kv_sharding = NamedSharding(self.mesh, P(MODEL_AXIS))  # KV heads split over "model"
-        self.kv = init_kv_cache(cache, cfg.num_layers, model.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding)
+        # KV heads split over "model"; each data rank its own pool (rank-major on the block axis)
+        kv_sharding = NamedSharding(self.mesh, P(MODEL_AXIS, DATA_AXIS))
+        self.kv = init_kv_cache(cache, cfg.num_layers, model.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding,
+                                data_parallel=self.dp)
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                    (self.state, self.kv))
         self._step = jax.jit(self._forward, donate_argnums=(1,))
@@ -99,7 +103,7 @@ class ModelRunner:
             if t not in self._executables:
                 inputs, sampling, copies = self._idle_inputs(t)
                 specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                                    sharding=self._replicated),
+                                                                    sharding=self._by_rank),
                                      (inputs, sampling, copies))
                 self._executables[t] = self._step.lower(*self._specs, *specs).compile()
             return self._executables[t]
@@ -161,60 +165,71 @@ class ModelRunner:
         return self._warmup_thread is None or not self._warmup_thread.is_alive()
 
     # -- host side ------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput):
+    def step_shape(self, outs: list[SchedulerOutput | None]) -> tuple[int, int]:
+        """(T, S) of the step running `outs` (one entry per data rank, None: idle): the bucket
+        of the busiest rank; every rank gets T token and S sequence rows."""
+        t = self.buckets.token_bucket(max(sum(out.q_lens) for out in outs if out is not None))
+        return t, self.buckets.num_seqs(t)
+
+    def rows_per_rank(self, outs: list[SchedulerOutput | None]) -> int:
+        """Sampler rows of each data rank in the step: rank r's request i is row r * S + i."""
+        return self.step_shape(outs)[1]
+
+    def prepare(self, outs: list[SchedulerOutput | None], t: int | None = None):
         """Numpy inputs of one step, packed and padded to its bucket: (T, StepInputs,
-        SamplingInputs, copy-on-write arrays). Request i of `out` is sequence i."""
-        t = self.buckets.token_bucket(sum(out.q_lens))
-        s = self.buckets.num_seqs(t)
-        bs = self.block_size
-        tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
-        slots = np.full(t, -1, np.int32)
-        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
-        kv_lens, cu = np.zeros(s, np.int32), np.zeros(s + 1, np.int32)
-        sampling = _SamplingArrays(s)
-        off = 0
-        for i, (req, start, ql) in enumerate(zip(out.requests, out.starts, out.q_lens)):
-            blocks = req.block_ids
-            tables[i, :len(blocks)] = blocks
-            if ql == 1:
-                tokens[off] = req.token_at(start)
-                positions[off] = start
-                if start >= req.num_shared_kv_tokens:  # a fork's inherited KV is not written again
-                    slots[off] = blocks[start // bs] * bs + start % bs
-            else:
-                pos = np.arange(start, start + ql, dtype=np.int32)
-                tokens[off:off + ql] = req.token_slice(start, start + ql)
-                positions[off:off + ql] = pos
-                slots[off:off + ql] = np.where(pos >= req.num_shared_kv_tokens, tables[i, pos // bs] * bs + pos % bs, -1)
-            off += ql
-            kv_lens[i], cu[i + 1] = start + ql, off
-            sampling.fill(i, req)
-        cu[len(out.requests) + 1:] = off
+        SamplingInputs, copy-on-write arrays). outs has one entry per data rank; rank r owns
+        tokens [r * T, (r + 1) * T) and sequence rows [r * S, (r + 1) * S), with its own
+        local offsets, slots and block ids (its own pool). t: the bucket (default: the
+        smallest that fits)."""
+        t, s = self.step_shape(outs) if t is None else (t, self.buckets.num_seqs(t))
+        dp, bs = len(outs), self.block_size
+        tokens, positions = np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32)
+        slots = np.full(dp * t, -1, np.int32)
+        tables = np.zeros((dp * s, self.max_blocks_per_seq), np.int32)
+        kv_lens, cu = np.zeros(dp * s, np.int32), np.zeros(dp * (s + 1), np.int32)
+        logits_indices = np.zeros(dp * s, np.int32)
+        sampling = _SamplingArrays(dp * s)
+        src, dst = np.zeros(dp * s, np.int32), np.full(dp * s, self.cache.num_blocks, np.int32)
+        for rank, out in enumerate(outs):
+            if out is None:
+                continue
+            t0, s0, c0 = rank * t, rank * s, rank * (s + 1)  # this rank's first token, row, offset
+            off = 0
+            for i, (req, start, ql) in enumerate(zip(out.requests, out.starts, out.q_lens)):
+                blocks = req.block_ids
+                row = s0 + i
+                tables[row, :len(blocks)] = blocks
+                if ql == 1:
+                    tokens[t0 + off] = req.token_at(start)
+                    positions[t0 + off] = start
+                    if start >= req.num_shared_kv_tokens:  # a fork's inherited KV is not written again
+                        slots[t0 + off] = blocks[start // bs] * bs + start % bs
+                else:
+                    pos = np.arange(start, start + ql, dtype=np.int32)
+                    tokens[t0 + off:t0 + off + ql] = req.token_slice(start, start + ql)
+                    positions[t0 + off:t0 + off + ql] = pos
+                    slots[t0 + off:t0 + off + ql] = np.where(pos >= req.num_shared_kv_tokens,
+                                                             tables[row, pos // bs] * bs + pos % bs, -1)
+                off += ql
+                kv_lens[row], cu[c0 + i + 1] = start + ql, off
+                logits_indices[row] = t0 + off - 1  # the sequence's last token, in the whole step
+                sampling.fill(row, req)
+            cu[c0 + len(out.requests) + 1:c0 + s + 1] = off
+            if out.copies:
+                src[s0:s0 + len(out.copies)], dst[s0:s0 + len(out.copies)] = zip(*out.copies)
         md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
-        inputs = StepInputs(tokens, md, np.maximum(cu[1:] - 1, 0))
-        return t, inputs, sampling.inputs(), self._copy_arrays(out.copies, s)
+        return t, StepInputs(tokens, md, logits_indices), sampling.inputs(), (src, dst)
 
     def _idle_inputs(self, t: int):
-        """Inputs of a step of t tokens that computes nothing anyone reads (compiling, tests)."""
-        s = self.buckets.num_seqs(t)
-        md = AttentionMetadata(np.zeros(t, np.int32), np.full(t, -1, np.int32),
-                               np.zeros((s, self.max_blocks_per_seq), np.int32), np.zeros(s, np.int32),
-                               np.zeros(s + 1, np.int32))
-        return StepInputs(np.zeros(t, np.int32), md, np.zeros(s, np.int32)), _SamplingArrays(s).inputs(), \
-            self._copy_arrays([], s)
+        """Inputs of a step of t tokens (per data rank) that computes nothing anyone reads
+        (compiling, tests)."""
+        return self.prepare([None] * self.dp, t)[1:]
 
-    def _copy_arrays(self, copies: list[tuple[int, int]], s: int):
-        """Copy-on-write pairs as two [S] int32 arrays; padding entries point past the pool (no-op)."""
-        src = np.zeros(s, np.int32)
-        dst = np.full(s, self.cache.num_blocks, np.int32)
-        if copies:
-            src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        return src, dst
-
-    def execute(self, out: SchedulerOutput):
-        """Runs one step; returns the sampler output (numpy) with row i for request i. Only
-        the token ids come back to the host, plus log-probabilities when a request wants them."""
-        t, inputs, sampling, copies = self.prepare(out)
+    def execute(self, outs: list[SchedulerOutput | None]):
+        """Runs one step (one SchedulerOutput per data rank); returns the sampler output
+        (numpy), rank r's request i in row r * rows_per_rank + i. Only the token ids come back
+        to the host, plus log-probabilities when a request wants them."""
+        t, inputs, sampling, copies = self.prepare(outs)
         step = self.compile_bucket(t)
         self.kv, result = step(self.state, self.kv, inputs, sampling, copies)  # dispatched, runs async
         wait = time.perf_counter()

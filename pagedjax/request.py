@@ -36,6 +36,7 @@ class Request:
     reserved_seats: int = 0  # running slots held for sequences this request will fork later
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     beam_group: object = None  # the BeamGroup this request is a beam of, if any
+    dp_rank: int = 0  # the data-parallel rank whose block pool and scheduler hold this request
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -200,6 +200,7 @@ class Scheduler:
         for b in parent.block_ids:
             self.pool.take(b)
         child.block_ids = list(parent.block_ids)
+        child.dp_rank = parent.dp_rank  # its blocks live in the parent's pool
         child.block_hashes = list(parent.block_hashes)
         child.output_token_ids = list(parent.output_token_ids)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -218,6 +219,14 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    def num_cached_prefix_blocks(self, req: Request) -> int:
+        """Leading blocks of req this pool has cached now (nothing taken)."""
+        return len(self._match_prefix(req))
+
+    def load(self) -> int:
+        """Sequences running or waiting here, with the seats they hold for forks."""
+        return self.num_seats_taken() + sum(1 + r.reserved_seats for r in self.waiting)
 
     def _match_prefix(self, req: Request) -> list[int]:
         """Cached blocks covering req's leading full blocks (at least one token left to compute)."""

@@ -18,14 +18,16 @@ CPU. All requests are submitted at t0.
   length and the same 2048-token batch budget as pagedjax. Skipped (marked "not run") if it
   cannot run here.
 
-Output tok/s counts the tokens each request asked for, over the wall time from t0 to the
+After its run, pagedjax's steps are replayed with only the weight matmuls (same T buckets,
+no attention, KV or host work): the floor this machine puts under those steps, printed next
+to the run. Output tok/s counts the tokens each request asked for, over the wall time from t0 to the
 last request's end. The engines run one after the other in this process; on a shared machine
 another busy process slows torch's threads far more than XLA's. Writes JSON
 (results/bench_workload.json).
 
     python scripts/bench_workload.py [--model DIR] [--n 96] [--prompt-min 32] [--prompt-max 384]
         [--output-min 16] [--output-max 192] [--max-num-seqs 32] [--static-batch-size 16]
-        [--skip-transformers-static] [--skip-continuous] [--out results/bench_workload.json]
+        [--skip-transformers-static] [--skip-continuous] [--skip-floor] [--out results/bench_workload.json]
 """
 from __future__ import annotations
 
@@ -88,6 +90,15 @@ def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_lens: list[i
     compiles = llm.stats()["num_compilations"]
     steps0 = llm.stats()["num_steps"]
 
+    step_tokens: list[int] = []  # T (bucket) of every timed step, for the matmul floor
+    prepare = engine.runner.prepare
+
+    def recording_prepare(outs, t=None):
+        res = prepare(outs, t)
+        step_tokens.append(res[0])
+        return res
+
+    engine.runner.prepare = recording_prepare
     n = len(prompts)
     first: dict[str, float] = {}
     end: dict[str, float] = {}
@@ -113,9 +124,57 @@ def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_lens: list[i
     res.update(warmup_s=warmup_s, compilations_during_timed_run=stats["num_compilations"] - compiles,
                num_compiled_shapes=stats["num_compiled_shapes"], num_steps=stats["num_steps"] - steps0,
                num_preemptions=stats["num_preemptions"], token_ids=[tokens[r] for r in ids])
+    engine.runner.prepare = prepare
+    if not args.skip_floor:
+        res["floor"] = matmul_floor(engine, step_tokens)
     del engine, llm
     gc.collect()
     return res
+
+
+def matmul_floor(engine, step_tokens: list[int], repeats: int = 3) -> dict:
+    """The same steps (same T buckets) with only the model's weight matmuls: embedding
+    gather, per layer the fused qkv, o, gate/up and down projections, then the lm_head on S
+    rows; no attention, no KV, no sampling, no host work. What the run could cost at best
+    on this machine with these step shapes."""
+    import jax
+    import jax.numpy as jnp
+    from collections import Counter
+
+    from flax import nnx
+
+    model = nnx.merge(engine.runner.graphdef, engine.runner.state)
+    if model.scan_layers:
+        return {"seconds": float("nan"), "steps": len(step_tokens), "note": "not timed for scanned layers"}
+    layers = list(model.layers)
+    e = model.config.hidden_size
+    hd = model.config.num_heads * model.config.head_dim
+
+    @jax.jit
+    def forward(tokens, rows):
+        x = model.embed[...][tokens]
+        for layer in layers:
+            h = jnp.einsum("ti,oi->to", x, layer.attn.wqkv[...])[:, :hd]
+            x = x + jnp.einsum("ti,oi->to", h, layer.attn.wo[...])
+            gu = jnp.einsum("ti,oi->to", x, layer.mlp.w_gate_up[...])
+            gate, up = jnp.split(gu, 2, axis=-1)
+            x = x + jnp.einsum("ti,oi->to", jax.nn.silu(gate) * up, layer.mlp.w_down[...])
+        return model.logits(x[rows]).argmax(-1)
+
+    per_t = {}
+    for t, count in sorted(Counter(step_tokens).items()):
+        tokens = jnp.zeros(t, jnp.int32)
+        rows = jnp.arange(engine.buckets.num_seqs(t), dtype=jnp.int32)
+        forward(tokens, rows).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            forward(tokens, rows).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        per_t[t] = (count, min(times))
+    total = sum(c * s for c, s in per_t.values())
+    return {"seconds": total, "steps": len(step_tokens), "hidden_size": e,
+            "by_tokens": {str(t): {"steps": c, "ms": 1e3 * s} for t, (c, s) in per_t.items()}}
 
 
 # -- transformers, static batching ----------------------------------------------------------
@@ -268,6 +327,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the continuous batching run may take")
     p.add_argument("--skip-transformers-static", action="store_true")
     p.add_argument("--skip-continuous", action="store_true")
+    p.add_argument("--skip-floor", action="store_true", help="do not time the matmul-only floor of pagedjax's steps")
     p.add_argument("--out", default="results/bench_workload.json")
     args = p.parse_args()
     if not (1 <= args.prompt_min <= args.prompt_max and 1 <= args.output_min <= args.output_max and args.n >= 2):
@@ -346,6 +406,11 @@ def main() -> None:
         print(f"{'transformers continuous':<26}{'not run':>13}   ({cont_reason})")
     print(f"pagedjax: warm-up {ours['warmup_s']:.1f} s (not timed), TTFT p50 {ours['ttft_p50_s']:.2f} s, "
           f"XLA compilations during the timed run: {ours['compilations_during_timed_run']}")
+    if "floor" in ours:
+        fl = ours["floor"]
+        print(f"floor: the same {fl['steps']} steps with only the weight matmuls take {fl['seconds']:.1f} s "
+              f"({result['workload']['output_tokens_requested'] / fl['seconds']:.1f} tok/s); pagedjax's run "
+              f"{ours['seconds']:.1f} s is {ours['seconds'] / fl['seconds']:.2f}x that")
     if static is not None:
         print("* static batching returns a whole batch at once: its TTFT is the end of the request's batch")
         print(f"pagedjax / static      {result['speedup_vs_static']:6.2f}x   identical greedy outputs: "

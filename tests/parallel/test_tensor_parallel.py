@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 virtual CPU devices (tp_cases.py runs them in a subprocess)."""
+"""Tensor and data parallelism on 8 virtual CPU devices (tp_cases.py runs them in a subprocess)."""
 from __future__ import annotations
 
 import json
@@ -81,3 +81,33 @@ def test_no_compilation_after_warmup_under_tp2(results):
 def test_impossible_layouts_are_refused_with_what_works(results):
     assert "sizes that work: [1, 2, 4]" in results["errors"]["tp3"]
     assert "needs 16 devices" in results["errors"]["tp16"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_data_parallel_outputs_identical_to_one_device(results, tp):
+    one, dp = results["llama_tp1"], results[f"llama_dp2_tp{tp}"]
+    assert dp["n3"] == one["n3"]
+    assert dp["beam"] == one["beam"]
+    assert dp["greedy_scan"] == one["greedy_scan"]
+    assert dp["compilations_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_data_parallel_routes_by_load_and_by_shared_prefix(results, tp):
+    case = results[f"llama_dp2_tp{tp}"]
+    assert all(q > 0 for q in case["ranks_before_shared"])  # unrelated prompts spread over both ranks
+    by_rank = case["shared_prefix_query_tokens_by_rank"]
+    assert sorted(by_rank) == [0, 6 * 49]  # the six requests sharing a prefix all met on one rank
+    rank = by_rank.index(6 * 49)
+    assert case["ranks_after"][rank]["prefix_cache_hit_tokens"] >= 5 * 32
+    for r in case["ranks_after"]:
+        assert r["kv_blocks_free"] == r["kv_blocks_total"]  # every block back once all requests ended
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_data_parallel_ranks_hold_their_own_pool(results, tp):
+    mem = results[f"llama_dp2_tp{tp}"]["memory"]
+    assert len(mem["kv_per_device"]) == 2 * tp
+    one_rank = results["families"]["llama"]["1"]["memory"]["kv_total"]
+    for b in mem["kv_per_device"].values():
+        assert b == one_rank // tp  # a whole pool per rank, split over its tp devices

@@ -77,6 +77,26 @@ def main(out_dir: Path) -> dict:
                     num_blocks=4, max_model_len=128)
         case["dense"] = greedy(dense)
         del llm, dense
+    shared = list(range(100, 148))  # three blocks of 16 shared by the routing requests
+    for dp, tp in ((2, 1), (2, 2)):
+        llm = LLM(llama, tensor_parallel_size=tp, data_parallel_size=dp, scan_layers=True, **ENGINE)
+        llm.wait_for_warmup()
+        before = llm.stats()["num_compilations"]
+        outs = llm.generate(PROMPTS, sampled, use_tqdm=False)
+        case = res[f"llama_dp{dp}_tp{tp}"] = {
+            "n3": [[list(c.token_ids) for c in o.outputs] for o in outs],
+            "beam": [[list(s.token_ids) for s in b.sequences] for b in llm.beam_search(PROMPTS[:2], params=beam)],
+            "greedy_scan": greedy(llm, 20),
+        }
+        queried = [r["prefix_cache_query_tokens"] for r in llm.stats()["data_parallel_ranks"]]
+        llm.generate([shared + [i] for i in range(6)], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        ranks = llm.stats()["data_parallel_ranks"]
+        case["shared_prefix_query_tokens_by_rank"] = [r["prefix_cache_query_tokens"] - q for r, q in zip(ranks, queried)]
+        case["ranks_before_shared"] = queried
+        case["ranks_after"] = ranks
+        case["compilations_after_warmup"] = llm.stats()["num_compilations"] - before
+        case["memory"] = memory(llm)
+        del llm
     errors = {}
     for label, kwargs in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16)}.items():
         try:
