@@ -22,6 +22,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="devices to split the weights and KV heads over (default 1)")
     g.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    m = p.add_argument_group("several processes (every process runs the same command, its own --process-id)")
+    m.add_argument("--coordinator-address", default=None, metavar="HOST:PORT", help="process 0's address")
+    m.add_argument("--num-processes", type=int, default=1)
+    m.add_argument("--process-id", type=int, default=0)
+
+
+def init_processes(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize for a multi-process run (before anything touches JAX)."""
+    if args.num_processes > 1:
+        if not args.coordinator_address:
+            raise ValueError("--num-processes > 1 needs --coordinator-address HOST:PORT (process 0's)")
+        from pagedjax.distributed import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -62,6 +76,7 @@ def run_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos)
+        init_processes(args)
         kwargs = engine_kwargs(args)
         if args.max_num_seqs is None:  # no bigger batch than the prompts: fewer, smaller shapes to compile
             kwargs["max_num_seqs"] = min(len(prompts), 64)

@@ -89,6 +89,8 @@ class BackendRun:
                  dtype: str = "auto", progress: bool = False, engine_kwargs: dict | None = None):
         from pagedjax.engine import LLMEngine
 
+        if (engine_kwargs or {}).get("data_parallel_size", 1) != 1:
+            raise ValueError("the dense vs paged comparison reads one block pool: run it with data_parallel_size=1")
         self.kind = kind
         self.budget_bytes = budget_tokens * kv_bytes_per_token(model, dtype)
         self.engine = LLMEngine(model, stream_text=True, kv_cache=kind, block_size=block_size,

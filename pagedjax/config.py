@@ -20,7 +20,7 @@ class EngineConfig:
     kv_cache: str = "paged"  # "dense": one max_model_len slot per request, block_size unused
     dtype: str = "auto"
     seed: int = 0
-    kv_cache_memory_gb: float | None = None
+    kv_cache_memory_gb: float | None = None  # per data-parallel rank (split over its tp devices)
     attention_impl: str = "auto"
     scan_layers: bool | None = None  # None: scan on accelerators, unrolled on CPU (models.loader)
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over ("model" axis)

@@ -18,6 +18,7 @@ from pagedjax.block_pool import BlockPool
 from pagedjax.buckets import Buckets
 from pagedjax.config import EngineConfig
 from pagedjax.data_parallel import DataParallelRouter
+from pagedjax.distributed import is_multiprocess
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.memory import KVMemory, kv_memory
 from pagedjax.model_runner import ModelRunner
@@ -290,7 +291,7 @@ class LLMEngine:
         background: compile the smallest bucket now and the others on a background thread;
         steps stay within the compiled buckets meanwhile (prompts take smaller chunks), so
         serving starts at once and never compiles on the request path."""
-        if background:
+        if background and not is_multiprocess():  # processes must agree on every step's size
             self.runner.start_background_warmup()
         else:
             self.runner.warmup(progress)

@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -22,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models.kv_cache import AttentionMetadata, copy_blocks_sharded, init_kv_cache
 from models.sharding import DATA_AXIS, MODEL_AXIS
 from pagedjax.buckets import Buckets
+from pagedjax.distributed import to_host
 from pagedjax.parallel import make_mesh, replicated
 from pagedjax.sampler import SamplingInputs, sample
 from pagedjax.scheduler import SchedulerOutput
@@ -44,7 +46,7 @@ class StepInputs:
 
     tokens: jax.Array  # [T] int32
     md: AttentionMetadata
-    logits_indices: jax.Array  # [S] int32: each sequence's last token (its logits are sampled)
+    logits_indices: jax.Array  # [dp * S] int32: each sequence's last token within its rank's T (sampled)
 
 
 class ModelRunner:
@@ -61,6 +63,7 @@ class ModelRunner:
         self.dp = self.mesh.shape[DATA_AXIS]
         self._replicated = replicated(self.mesh)
         self._by_rank = NamedSharding(self.mesh, P(DATA_AXIS))  # step inputs: each rank its rows
+        self._rows_by_rank = NamedSharding(self.mesh, P(DATA_AXIS, None))  # logits: whole vocabulary per rank
         self.graphdef, state = nnx.split(model)
         # tensor-parallel weights stay where the loader put their shards; the rest is replicated
         self.state = jax.tree.map(lambda x: x if _placed_on(x, self.mesh) else jax.device_put(x, self._replicated),
@@ -82,10 +85,14 @@ class ModelRunner:
     def _forward(self, state, kv, inputs: StepInputs, sampling: SamplingInputs, copies):
         kv = copy_blocks_sharded(kv, self.num_layers, *copies, self.mesh)  # copy-on-write before any write
         model = nnx.merge(self.graphdef, state)
-        hidden, kv = model(inputs.tokens, inputs.md, kv, self.cache)  # [T, E]
-        # vocabulary-split logits are gathered on device (not to the host), so sampling sees
-        # exactly what one device sees
-        logits = jax.lax.with_sharding_constraint(model.logits(hidden[inputs.logits_indices]), self._replicated)
+        hidden, kv = model(inputs.tokens, inputs.md, kv, self.cache)  # [dp * T, E]
+        # each data rank takes its own sequences' last tokens (no gather across ranks)
+        h = hidden.reshape(self.dp, -1, hidden.shape[-1])  # [dp, T, E]
+        idx = inputs.logits_indices.reshape(self.dp, -1, 1)  # [dp, S, 1]
+        rows = jnp.take_along_axis(h, idx, axis=1).reshape(-1, h.shape[-1])  # [dp * S, E]
+        # vocabulary-split logits are gathered over "model" on device (not to the host), so
+        # sampling sees exactly what one device sees
+        logits = jax.lax.with_sharding_constraint(model.logits(rows), self._rows_by_rank)
         return kv, sample(logits, sampling)
 
     # -- compiled shapes ------------------------------------------------------------------
@@ -212,7 +219,7 @@ class ModelRunner:
                                                              tables[row, pos // bs] * bs + pos % bs, -1)
                 off += ql
                 kv_lens[row], cu[c0 + i + 1] = start + ql, off
-                logits_indices[row] = t0 + off - 1  # the sequence's last token, in the whole step
+                logits_indices[row] = off - 1  # the sequence's last token, among its rank's tokens
                 sampling.fill(row, req)
             cu[c0 + len(out.requests) + 1:c0 + s + 1] = off
             if out.copies:
@@ -234,9 +241,9 @@ class ModelRunner:
         self.kv, result = step(self.state, self.kv, inputs, sampling, copies)  # dispatched, runs async
         wait = time.perf_counter()
         if sampling.want_logprobs.any():
-            result = jax.device_get(result)
+            result = jax.tree.map(to_host, result)
         else:
-            result = _TokensOnly(np.asarray(jax.device_get(result.tokens)))
+            result = _TokensOnly(to_host(result.tokens))
         self.last_wait_s = time.perf_counter() - wait  # host blocked on the device
         return result
 

@@ -24,6 +24,9 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, model_
         raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, but "
                          f"{len(devices)} {jax.default_backend()} device(s) are visible (on CPU, set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported)")
+    if jax.process_count() > 1 and tp * dp != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes the mesh must span all {len(devices)} devices: "
+                         f"tensor_parallel_size x data_parallel_size is {tp * dp}")
     if model_cfg is not None:
         check_tp(model_cfg, tp)
     return Mesh(np.array(devices[:tp * dp]).reshape(dp, tp), (DATA_AXIS, MODEL_AXIS))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -21,6 +22,8 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# seconds between an idle engine's idle_tick() calls, if it has one
+IDLE_TICK_S = float(os.environ.get("PAGEDJAX_IDLE_TICK_S", "10"))
 
 
 class QueueFullError(RuntimeError):
@@ -201,18 +204,24 @@ class AsyncEngine:
 
     def _run(self) -> None:
         busy = stalled = False
+        # an engine spread over several processes keeps their collectives alive while idle
+        idle_tick = getattr(self.engine, "idle_tick", None)
         try:
             self._stats = dict(self.engine.stats())
             self._ready.set()
             while True:
+                tick = False
                 with self._cond:
                     if stalled and not self._commands and not self._stop:
                         self._cond.wait(0.005)  # work that cannot progress: do not spin on the GIL
-                    while not self._commands and not busy and not self._stop:
-                        self._cond.wait()
+                    while not self._commands and not busy and not self._stop and not tick:
+                        tick = not self._cond.wait(IDLE_TICK_S if idle_tick else None)
                     commands = list(self._commands)
                     self._commands.clear()
                     stop = self._stop
+                if tick and not commands and not stop:
+                    idle_tick()
+                    continue
                 for command in commands:
                     self._handle(command)
                 if stop:

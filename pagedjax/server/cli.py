@@ -65,13 +65,14 @@ def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the real engine from parsed `serve` arguments and serve it."""
-    from pagedjax.cli import engine_kwargs
+    from pagedjax.cli import engine_kwargs, init_processes
     from pagedjax.engine import LLMEngine  # lazy: importing JAX and loading weights is slow
     from pagedjax.server.async_engine import AsyncEngine
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedjax").setLevel(args.log_level.upper())
     try:
+        init_processes(args)
         engine = LLMEngine(args.model, stream_text=True, **engine_kwargs(args))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("cannot start the engine: %s", exc)
@@ -80,9 +81,20 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.info("compiling the smallest step bucket now and the others in the background "
                     "(--no-warmup compiles each on first use instead)")
         engine.warmup(background=True)
+    if args.num_processes > 1:
+        from pagedjax.distributed import LeaderEngine, follow
+
+        if args.process_id != 0:  # no HTTP here: run process 0's schedule step by step
+            logger.info("process %d follows process 0's schedule", args.process_id)
+            follow(engine)
+            return 0
+        engine = LeaderEngine(engine)
     async_engine = AsyncEngine(engine, max_pending_requests=args.max_pending_requests)
-    return serve(async_engine, args.host, args.port, args.api_key, args.served_model_name,
+    code = serve(async_engine, args.host, args.port, args.api_key, args.served_model_name,
                  args.shutdown_timeout, args.log_level)
+    if args.num_processes > 1:  # the followers exit with process 0
+        engine.close()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
