@@ -111,3 +111,9 @@ def test_data_parallel_ranks_hold_their_own_pool(results, tp):
     one_rank = results["families"]["llama"]["1"]["memory"]["kv_total"]
     for b in mem["kv_per_device"].values():
         assert b == one_rank // tp  # a whole pool per rank, split over its tp devices
+
+
+def test_preemption_under_tp2_gives_the_same_outputs(results):
+    one, two = results["preempt_tp1"], results["preempt_tp2"]
+    assert one["preemptions"] > 0 and two["preemptions"] == one["preemptions"]
+    assert two["tokens"] == one["tokens"]

@@ -24,7 +24,7 @@ from pagedjax import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 PROMPTS = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], list(range(20, 60))]
 # query / KV heads: llama 4 / 2, mistral 4 / 1, qwen2 4 / 4, qwen3 8 / 2 (tp 4 and 8 over 2 KV heads
 # and tp 4 over 1 replicate KV heads)
-TP_SIZES = {"llama": (2, 4), "mistral": (4,), "qwen2": (4,), "qwen3": (2, 8)}
+TP_SIZES = {"llama": (2, 4), "mistral": (4,), "qwen2": (4,), "qwen3": (8,)}
 ENGINE = dict(max_num_batched_tokens=32, max_num_seqs=8, num_blocks=64, max_model_len=256)
 
 
@@ -77,6 +77,11 @@ def main(out_dir: Path) -> dict:
                     num_blocks=4, max_model_len=128)
         case["dense"] = greedy(dense)
         del llm, dense
+    for tp in (1, 2):  # a pool too small for all three: the newest requests are preempted and recomputed
+        small = dict(ENGINE, num_blocks=7)
+        llm = LLM(llama, tensor_parallel_size=tp, enable_prefix_caching=False, **small)
+        res[f"preempt_tp{tp}"] = {"tokens": greedy(llm, 40), "preemptions": llm.stats()["num_preemptions"]}
+        del llm
     shared = list(range(100, 148))  # three blocks of 16 shared by the routing requests
     for dp, tp in ((2, 1), (2, 2)):
         llm = LLM(llama, tensor_parallel_size=tp, data_parallel_size=dp, scan_layers=True, **ENGINE)
