@@ -185,7 +185,7 @@ class LLMEngine:
         result = self.runner.execute(outs)
         self.num_steps += 1
         produced = []
-        rows = self.runner.rows_per_rank(outs)
+        rows = len(result.tokens) // len(outs)  # sampler rows per data rank (S of the step)
         for rank, (sched, out) in enumerate(zip(self.schedulers, outs)):
             if out is None:
                 continue
@@ -331,8 +331,6 @@ class LLMEngine:
         over the data-parallel ranks."""
         budget = self.kv_budget_tokens
         each = [kv_memory(p, s.running, self.max_model_len, budget) for p, s in zip(self.pools, self.schedulers)]
-        if len(each) == 1:
-            return each[0]
         return KVMemory(**{f.name: sum(getattr(m, f.name) for m in each) for f in fields(KVMemory)})
 
 

@@ -178,10 +178,6 @@ class ModelRunner:
         t = self.buckets.token_bucket(max(sum(out.q_lens) for out in outs if out is not None))
         return t, self.buckets.num_seqs(t)
 
-    def rows_per_rank(self, outs: list[SchedulerOutput | None]) -> int:
-        """Sampler rows of each data rank in the step: rank r's request i is row r * S + i."""
-        return self.step_shape(outs)[1]
-
     def prepare(self, outs: list[SchedulerOutput | None], t: int | None = None):
         """Numpy inputs of one step, packed and padded to its bucket: (T, StepInputs,
         SamplingInputs, copy-on-write arrays). outs has one entry per data rank; rank r owns
@@ -234,7 +230,7 @@ class ModelRunner:
 
     def execute(self, outs: list[SchedulerOutput | None]):
         """Runs one step (one SchedulerOutput per data rank); returns the sampler output
-        (numpy), rank r's request i in row r * rows_per_rank + i. Only the token ids come back
+        (numpy), rank r's request i in row r * S + i. Only the token ids come back
         to the host, plus log-probabilities when a request wants them."""
         t, inputs, sampling, copies = self.prepare(outs)
         step = self.compile_bucket(t)
