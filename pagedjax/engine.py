@@ -37,6 +37,8 @@ class _Sequence:
     index: int
     detok: IncrementalDetokenizer | None
     text: str = ""
+    sent_tokens: int = 0  # output_deltas: tokens (and logprobs) already returned
+    sent_chars: int = 0  # output_deltas: characters of text already returned
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +70,9 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len
         self.model_name = _model_name(model)
         self.stream_text = stream_text
+        # True: each RequestOutput carries only what is new since the request's previous output
+        # (text, token ids, logprobs), so a step costs O(new tokens), not O(output length)
+        self.output_deltas = False
         mc = self.model_config
         kv_dtype = self.model.embed[...].dtype
         # KV heads as stored: replicated up to tensor_parallel_size when the model has fewer
@@ -274,9 +279,18 @@ class LLMEngine:
         return text
 
     def _output(self, g: _Group) -> RequestOutput:
-        outs = [CompletionOutput(s.index, self._text(s), list(s.req.output_token_ids), s.req.finish_reason,
-                                 list(s.req.output_logprobs) if g.params.logprobs is not None else None,
-                                 s.req.stop_reason) for s in g.seqs]
+        want_logprobs = g.params.logprobs is not None
+        outs = []
+        for s in g.seqs:
+            req, text = s.req, self._text(s)
+            tokens, logprobs = req.output_token_ids, req.output_logprobs
+            if self.output_deltas:
+                text, tokens, logprobs = text[s.sent_chars:], tokens[s.sent_tokens:], logprobs[s.sent_tokens:]
+                s.sent_chars, s.sent_tokens = s.sent_chars + len(text), len(req.output_token_ids)
+            else:
+                tokens, logprobs = list(tokens), list(logprobs)
+            outs.append(CompletionOutput(s.index, text, tokens, req.finish_reason,
+                                         logprobs if want_logprobs else None, req.stop_reason))
         return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, g.finished,
                              g.seqs[0].req.num_cached_tokens)
 

@@ -18,7 +18,8 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Cumulative state of one request after an engine step."""
+    """State of one request after an engine step: cumulative, or only what is new since the
+    request's previous output when the engine runs with `output_deltas` (the server does)."""
 
     request_id: str
     prompt: str | None

@@ -1,15 +1,22 @@
-"""The FastAPI app: routes, API-key check, request parsing and OpenAI-shaped errors."""
+"""The FastAPI app: routes, API-key check, request parsing and OpenAI-shaped errors.
+
+Bodies are read with a size cap counted while reading (chunked uploads included) and must be
+`application/json` (so a cross-site HTML form cannot start a generation); a 500 says only
+that something went wrong, the details go to the server log.
+"""
 from __future__ import annotations
 
 import contextlib
 import copy
 import hmac
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedjax.server.async_engine import AsyncEngine
 from pagedjax.server.errors import APIError, bad_request, from_status
@@ -20,7 +27,7 @@ from pagedjax.server.serving_common import ClientDisconnected
 from pagedjax.server.serving_completion import CompletionServing
 
 logger = logging.getLogger(__name__)
-MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # default body cap
 
 
 def _server_tokenizer(tokenizer):
@@ -51,7 +58,7 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
+        errors = exc.errors(include_url=False, include_input=False)
         first = errors[0]
         if first["type"] in ("json_invalid", "json_type"):
             raise bad_request(f"Invalid JSON body: {first['msg']}") from None
@@ -90,21 +97,25 @@ class APIKeyMiddleware:
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
-              drain_timeout: float = 0.0) -> FastAPI:
+              drain_timeout: float = 0.0, max_request_bytes: int = MAX_REQUEST_BYTES,
+              send_timeout: float = 30.0) -> FastAPI:
     """An OpenAI-compatible FastAPI app in front of `async_engine` (started and shut down
-    with the app's lifespan)."""
+    with the app's lifespan). `send_timeout`: seconds a streaming client may take no data
+    before its request is aborted."""
     name = served_model_name or async_engine.model_name
     metrics = ServerMetrics(async_engine.stats)
     async_engine.metrics = metrics
     tokenizer = _server_tokenizer(async_engine.tokenizer)
-    completions = CompletionServing(async_engine, name, tokenizer)
-    chat = ChatServing(async_engine, name, tokenizer)
+    cpu = ThreadPoolExecutor(1, thread_name_prefix="pagedjax-cpu")
+    completions = CompletionServing(async_engine, name, tokenizer, cpu, send_timeout)
+    chat = ChatServing(async_engine, name, tokenizer, cpu, send_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
         yield
         await async_engine.shutdown(drain_timeout)
+        cpu.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine, app.state.metrics = async_engine, metrics
@@ -124,34 +135,44 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):  # a bug: say so, keep serving
-        logger.exception("unhandled error on %s", request.url.path)
+        logger.exception("unhandled error on %r", request.url.path)  # repr: no raw control characters
         metrics.on_error(500)
-        return APIError(f"internal server error: {exc!r}", 500, "server_error").response()
+        return APIError("internal server error (the details are in the server log)", 500, "server_error").response()
+
+    too_large = APIError(f"the request body is larger than this server's limit of {max_request_bytes} bytes "
+                         f"(--max-request-bytes)", 413)
 
     async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length", "0")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
-        return body
+        """The body, at most max_request_bytes, counted as it arrives; must be JSON."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise APIError(f"the request body must be JSON, sent with `Content-Type: application/json` "
+                           f"(got {kind[:64] or 'none'!r})", 415)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def generate(request: Request, model: type[BaseModel], serving) -> Response:
+        try:
+            req = parse_request(model, await read_body(request))
+            return await serving.create(req, request)
+        except (ClientDisconnect, ClientDisconnected):  # the client left: nobody to answer
+            return Response(status_code=499)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
-        req = parse_request(CompletionRequest, await read_body(request))
-        try:
-            return await completions.create(req, request)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await generate(request, CompletionRequest, completions)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
-        req = parse_request(ChatCompletionRequest, await read_body(request))
-        try:
-            return await chat.create(req, request)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await generate(request, ChatCompletionRequest, chat)
 
     @app.get("/v1/models")
     async def list_models():
@@ -167,7 +188,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     @app.get("/health")
     async def health():
         if not async_engine.is_alive:
-            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, status_code=503)
+            return JSONResponse({"status": "error", "error": "the engine is not running (see the server log)"},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -1,15 +1,22 @@
 """AsyncEngine: drives a (thread-unsafe) LLMEngine from one background thread for asyncio.
 
 Only the engine thread ever touches the engine. asyncio code talks to it through a command
-queue (add, abort, abort-all) and gets results back through `loop.call_soon_threadsafe`
-into a per-request `asyncio.Queue`. The thread steps while the engine has work and sleeps
-on a condition variable when idle. `stats()` returns the snapshot the thread takes after
-every step, so /metrics never calls into the engine from another thread.
+queue (add, abort, abort-all) and gets results back through `loop.call_soon_threadsafe`.
+The engine runs with `output_deltas`, so each step posts only what is new; a stream whose
+consumer has not taken its last update yet merges the new one into it, so a stream holds at
+most one pending update however slowly its client reads. The thread steps while the engine
+has work that can progress and sleeps on a condition variable otherwise. `stats()` returns
+the snapshot the thread takes after every step, so /metrics never calls into the engine
+from another thread.
+
+A step that raises may leave the device state poisoned (the KV cache is donated to the
+step), so it is fatal: every stream and every queued command ends with EngineDeadError,
+`is_alive` turns False (/health answers 503) and the `on_dead` callbacks run (the server
+exits non-zero so that a supervisor restarts it).
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import threading
@@ -27,7 +34,7 @@ IDLE_TICK_S = float(os.environ.get("PAGEDJAX_IDLE_TICK_S", "10"))
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests are waiting for their first token."""
+    """Too many sequences are waiting for their first token."""
 
 
 class ShuttingDownError(RuntimeError):
@@ -40,18 +47,24 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(eq=False)
 class RequestStream:
-    """The asyncio side of one request: an async iterator of cumulative RequestOutputs."""
+    """The asyncio side of one request: an async iterator of RequestOutput deltas (text,
+    token ids and logprobs new since the previous item; the last one has finished=True)."""
 
     request_id: str
-    loop: asyncio.AbstractEventLoop
+    n: int
     abort_fn: Callable[[str], None]
+    loop: asyncio.AbstractEventLoop | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
     started: bool = False  # got its first output (or ended): no longer counts as pending
     finished: bool = False  # the consumer has seen the end
-    last: RequestOutput | None = None
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_prompt_tokens: int = 0
+    num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens delivered
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    _pending: RequestOutput | None = None  # delivered, not yet taken by the consumer
+    _error: BaseException | None = None
+    _wakeup: asyncio.Future | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -59,13 +72,27 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
+        while self._pending is None and self._error is None:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
+        item, self._pending = self._pending, None
+        if item is None:
             self.finished = True
-            raise item
+            raise self._error
         if item.finished:
             self.finished = True
         return item
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """Runs on the event loop: merge an update into the pending one (or record the error)."""
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            merge_delta(self._pending, item)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     def abort(self) -> None:
         """Abort the request unless it already ended (safe to call from `finally`)."""
@@ -74,24 +101,43 @@ class RequestStream:
             self.abort_fn(self.request_id)
 
 
+def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append delta `new` to delta `into` (both of one request), in place."""
+    by_index = {o.index: o for o in into.outputs}
+    for o in new.outputs:
+        old = by_index.get(o.index)
+        if old is None:
+            into.outputs.append(o)
+            continue
+        old.text += o.text
+        old.token_ids.extend(o.token_ids)
+        if o.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + o.logprobs
+        old.finish_reason, old.stop_reason = o.finish_reason, o.stop_reason
+    into.finished = into.finished or new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+
+
 class AsyncEngine:
     """Runs `engine.step()` in a background thread and fans outputs out to asyncio streams."""
 
     def __init__(self, engine: Any, max_pending_requests: int = 1024, metrics: Any = None) -> None:
         self.engine = engine
+        engine.output_deltas = True
         self.tokenizer = engine.tokenizer
         self.model_name: str = getattr(engine, "model_name", "pagedjax")
         self.max_model_len: int = engine.max_model_len
-        self.max_pending_requests = max_pending_requests
-        self.metrics = metrics  # object with on_request_finished(stream, output) or None
-        self.num_pending = 0  # requests admitted that have not produced output yet (loop side)
+        self.max_pending_requests = max_pending_requests  # sequences waiting for their first token
+        self.metrics = metrics  # object with on_request_finished(stream) or None
+        self.num_pending = 0  # sequences admitted that have not produced output yet (loop side)
         self.accepting = True
         self.error: BaseException | None = None  # set when the engine thread dies
+        self.on_dead: list[Callable[[], None]] = []  # run (on the engine thread) when it dies
         self._cond = threading.Condition()
         self._commands: deque = deque()
         self._stop = False
+        self._dead = False  # guarded by _cond: commands are refused from now on
         self._streams: dict[str, RequestStream] = {}  # engine-thread side
-        self._last_outputs: dict[str, RequestOutput] = {}
         self._stats: dict = {}
         self._thread: threading.Thread | None = None
 
@@ -131,27 +177,30 @@ class AsyncEngine:
         return len(self._streams)
 
     def stats(self) -> dict:
-        """The engine's stats as of the last step, plus the server-side pending count."""
-        return {**self._stats, "num_requests_pending": self.num_pending}
+        """The engine's stats as of the last step, plus the server-side counts."""
+        streams = list(self._streams.values())
+        oldest = min((s.arrival_time for s in streams), default=None)
+        return {**self._stats, "num_requests_pending": self.num_pending, "num_requests_in_flight": len(streams),
+                "oldest_request_age_seconds": 0.0 if oldest is None else time.monotonic() - oldest}
 
     # ---- asyncio side ---------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestStream:
         """Submit a request; returns its stream. Raises ValueError (bad request),
         QueueFullError, ShuttingDownError or EngineDeadError."""
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}")
-        if self.num_pending >= self.max_pending_requests:
-            raise QueueFullError(f"too many pending requests ({self.num_pending} waiting for their "
+            raise EngineDeadError("the engine is not running")
+        if self.num_pending + params.n > self.max_pending_requests:
+            raise QueueFullError(f"too many pending sequences ({self.num_pending} waiting for their "
                                  f"first token, limit {self.max_pending_requests}); retry later")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, self.abort)
+        stream = RequestStream(request_id, params.n, self.abort, loop)
         admitted = loop.create_future()
-        self.num_pending += 1
-        self._submit(("add", stream, prompt, params, admitted))
+        self.num_pending += params.n
+        self._submit(("add", stream, prompt, params, cache_salt, admitted))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -169,30 +218,38 @@ class AsyncEngine:
 
     def _submit(self, command: tuple) -> None:
         with self._cond:
-            self._commands.append(command)
-            self._cond.notify()
+            if not self._dead:
+                self._commands.append(command)
+                self._cond.notify()
+                return
+        if command[0] == "add":  # the engine is gone: nothing will ever answer it
+            _resolve(command[1].loop, command[-1], EngineDeadError("the engine is not running"))
 
     def _mark_started(self, stream: RequestStream) -> None:
         if not stream.started:
             stream.started = True
-            self.num_pending -= 1
+            self.num_pending -= stream.n
 
     def _deliver(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
         """Runs on the event loop: hand one item to the stream and keep the books."""
         now = time.monotonic()
         self._mark_started(stream)
         if isinstance(item, RequestOutput):
-            if stream.first_token_time is None and any(o.token_ids for o in item.outputs):
+            stream.num_prompt_tokens = len(item.prompt_token_ids) or stream.num_prompt_tokens
+            for o in item.outputs:
+                stream.num_tokens[o.index] = stream.num_tokens.get(o.index, 0) + len(o.token_ids)
+                if o.finish_reason is not None:
+                    stream.finish_reasons[o.index] = o.finish_reason
+            if stream.first_token_time is None and any(stream.num_tokens.values()):
                 stream.first_token_time = now
-            stream.last = item
             if item.finished:
                 stream.finish_time = now
                 if self.metrics is not None:
                     try:
-                        self.metrics.on_request_finished(stream, item)
+                        self.metrics.on_request_finished(stream)
                     except Exception:  # metrics must never break serving
                         logger.exception("metrics update failed")
-        stream.queue.put_nowait(item)
+        stream.push(item)
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -203,7 +260,9 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
-        busy = stalled = False
+        # work that cannot progress (e.g. a request waiting for blocks that only an abort can
+        # free) waits for the next command instead of spinning
+        stalled = False
         # an engine spread over several processes keeps their collectives alive while idle
         idle_tick = getattr(self.engine, "idle_tick", None)
         try:
@@ -212,14 +271,13 @@ class AsyncEngine:
             while True:
                 tick = False
                 with self._cond:
-                    if stalled and not self._commands and not self._stop:
-                        self._cond.wait(0.005)  # work that cannot progress: do not spin on the GIL
-                    while not self._commands and not busy and not self._stop and not tick:
+                    while not self._commands and not self._stop and not tick and \
+                            (stalled or not self.engine.has_unfinished_requests()):
                         tick = not self._cond.wait(IDLE_TICK_S if idle_tick else None)
                     commands = list(self._commands)
                     self._commands.clear()
                     stop = self._stop
-                if tick and not commands and not stop:
+                if tick and not commands and not stop and not self.engine.has_unfinished_requests():
                     idle_tick()
                     continue
                 for command in commands:
@@ -227,44 +285,58 @@ class AsyncEngine:
                 if stop:
                     self._abort_all(ShuttingDownError("the server shut down"))
                     return
-                busy = self.engine.has_unfinished_requests()
-                stalled = False
-                if busy:
-                    t0 = time.perf_counter()
-                    try:
-                        outputs = self.engine.step()
-                    except Exception as exc:  # fail the requests in flight, keep serving
-                        logger.exception("engine step failed")
-                        self._abort_all(EngineDeadError(f"engine step failed: {exc!r}"))
-                        outputs = []
-                    self._dispatch(outputs)
-                    busy = self.engine.has_unfinished_requests()
-                    stalled = not outputs and time.perf_counter() - t0 < 1e-3
+                stalled, outputs = False, []
+                if self.engine.has_unfinished_requests():
+                    steps = self.engine.num_steps
+                    outputs = self.engine.step()  # raising is fatal: see the module docstring
+                    stalled = not outputs and self.engine.num_steps == steps  # nothing could run
+                # the snapshot first: a client never sees tokens that /metrics does not count yet
                 self._stats = dict(self.engine.stats())
-        except BaseException as exc:  # pragma: no cover - a broken engine
-            logger.exception("engine thread died")
-            self.error = exc
-            self._ready.set()
-            self._abort_all(EngineDeadError(f"engine thread died: {exc!r}"), call_engine=False)
+                self._dispatch(outputs)
+        except BaseException as exc:
+            logger.exception("the engine failed; it stops and every request in flight fails "
+                             "(restart the server)")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail everything in flight and everything queued; refuse what comes later."""
+        self.error = exc
+        with self._cond:
+            self._dead = True
+            commands = list(self._commands)
+            self._commands.clear()
+        self._ready.set()
+        dead = EngineDeadError("the engine failed while running this request (see the server log)")
+        for command in commands:
+            if command[0] == "add":
+                _resolve(command[1].loop, command[-1], dead)
+        self._abort_all(dead, call_engine=False)
+        for callback in self.on_dead:
+            try:
+                callback()
+            except Exception:  # pragma: no cover
+                logger.exception("on_dead callback failed")
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, stream, prompt, params, admitted = command
+            _, stream, prompt, params, cache_salt, admitted = command
             try:
-                self.engine.add_request(stream.request_id, prompt, params)
+                if cache_salt is None:
+                    self.engine.add_request(stream.request_id, prompt, params)
+                else:
+                    self.engine.add_request(stream.request_id, prompt, params, cache_salt=cache_salt)
             except Exception as exc:
-                stream.loop.call_soon_threadsafe(_set_future, admitted, exc)
+                _resolve(stream.loop, admitted, exc)
                 return
             self._streams[stream.request_id] = stream
-            stream.loop.call_soon_threadsafe(_set_future, admitted, None)
+            _resolve(stream.loop, admitted, None)
         elif kind == "abort":
             rid = command[1]
             self.engine.abort_request(rid)
-            last = self._last_outputs.pop(rid, None)
             stream = self._streams.pop(rid, None)
             if stream is not None:  # the consumer is gone; this feeds the metrics
-                self._post(stream, _aborted(rid, last))
+                self._post(stream, _aborted(rid))
         elif kind == "abort_all":
             self._abort_all(None)
 
@@ -275,9 +347,6 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-                self._last_outputs.pop(out.request_id, None)
-            else:
-                self._last_outputs[out.request_id] = out
             self._post(stream, out)
 
     def _abort_all(self, error: BaseException | None, call_engine: bool = True) -> None:
@@ -289,9 +358,16 @@ class AsyncEngine:
                     self.engine.abort_request(rid)
                 except Exception:  # pragma: no cover
                     logger.exception("abort_request(%s) failed", rid)
-            last = self._last_outputs.pop(rid, None)
-            self._post(stream, error if error is not None else _aborted(rid, last))
+            self._post(stream, error if error is not None else _aborted(rid))
         self._streams.clear()
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None) -> None:
+    """Settle `fut` on its loop, from any thread."""
+    try:
+        loop.call_soon_threadsafe(_set_future, fut, exc)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -303,13 +379,7 @@ def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
-def _aborted(request_id: str, last: RequestOutput | None) -> RequestOutput:
-    """A final output with finish_reason "abort", built from the last one seen (if any)."""
-    if last is None:
-        return RequestOutput(request_id, None, [], [], finished=True)
-    out = copy.deepcopy(last)
-    out.finished = True
-    for o in out.outputs:
-        if o.finish_reason is None:
-            o.finish_reason = "abort"
-    return out
+def _aborted(request_id: str) -> RequestOutput:
+    """The final delta of an aborted request: nothing new, finished (O(1) on the engine
+    thread; the consumer gives "abort" to every completion that has no finish reason)."""
+    return RequestOutput(request_id, None, [], [], finished=True)

@@ -6,7 +6,9 @@ The top-level CLI wires these in with `add_serve_arguments(subparser)` and
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 from typing import Any
 
 import uvicorn
@@ -24,10 +26,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDJAX_API_KEY; prefer the "
+                        "variable, argv is visible to other users of the machine)")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     g.add_argument("--max-pending-requests", type=int, default=1024,
-                   help="requests waiting for their first token before new ones get 429")
+                   help="sequences (prompts x n) waiting for their first token before new requests get 429")
+    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body accepted, in bytes (default 4 MiB; larger ones get 413)")
+    g.add_argument("--stream-send-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may take no data before its request is aborted")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
     g.add_argument("--no-warmup", action="store_true", help="do not compile the step buckets ahead (each compiles on first use)")
@@ -51,16 +59,51 @@ class _Server(uvicorn.Server):
 
 
 def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
-    """Serve `async_engine` over HTTP until SIGTERM/SIGINT; returns the exit code (0)."""
+          served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
+          max_request_bytes: int = 4 * 1024 * 1024, send_timeout: float = 30.0) -> int:
+    """Serve `async_engine` over HTTP until SIGTERM/SIGINT (exit code 0) or until the engine
+    fails (exit code 1, so that a supervisor restarts the server)."""
     from pagedjax.server.app import build_app
 
-    app = build_app(async_engine, served_model_name, api_key)
+    warn_if_exposed(host, api_key)
+    app = build_app(async_engine, served_model_name, api_key, max_request_bytes=max_request_bytes,
+                    send_timeout=send_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=5)
     server = _Server(config, async_engine)
+
+    def engine_died() -> None:
+        logger.error("the engine failed: the server stops (exit code 1)")
+        server.should_exit = True
+
+    async_engine.on_dead.append(engine_died)
     server.run()
+    if async_engine.error is not None:
+        return 1
     return 0 if server.started else 1
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Warn (and return True) when `host` is reachable from other machines and no key is set."""
+    if api_key or _is_loopback(host):
+        return False
+    logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                   "server (set PAGEDJAX_API_KEY or --api-key)", host)
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else $PAGEDJAX_API_KEY, else None (no key)."""
+    return args.api_key or os.environ.get("PAGEDJAX_API_KEY") or None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -90,8 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return 0
         engine = LeaderEngine(engine)
     async_engine = AsyncEngine(engine, max_pending_requests=args.max_pending_requests)
-    code = serve(async_engine, args.host, args.port, args.api_key, args.served_model_name,
-                 args.shutdown_timeout, args.log_level)
+    code = serve(async_engine, args.host, args.port, api_key_of(args), args.served_model_name, args.shutdown_timeout,
+                 args.log_level, args.max_request_bytes, args.stream_send_timeout)
     if args.num_processes > 1:  # the followers exit with process 0
         engine.close()
     return code

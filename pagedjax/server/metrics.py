@@ -11,7 +11,6 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedjax.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -31,7 +30,9 @@ _GAUGE_HELP = {
     "kv_blocks_free": "KV-cache blocks no live request holds (cached prefix blocks included).",
     "num_requests_running": "Requests in the running batch.",
     "num_requests_waiting": "Requests queued in the engine scheduler.",
-    "num_requests_pending": "Requests admitted by the server that have no output yet.",
+    "num_requests_pending": "Sequences admitted by the server that have no output yet.",
+    "num_requests_in_flight": "Requests the server is serving (admitted, final output not yet produced).",
+    "oldest_request_age_seconds": "Age of the oldest request in flight (a stuck request shows here).",
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -88,13 +89,13 @@ class ServerMetrics:
         self.e2e = Histogram("pagedjax:e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
-    def on_request_finished(self, stream, output: RequestOutput) -> None:
-        """Record one finished (or aborted) request; `stream` carries its timestamps."""
-        reasons = [o.finish_reason or "abort" for o in output.outputs] or ["abort"]
-        for reason in reasons:
-            self.request_success.labels(finished_reason=reason).inc()
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        lengths = [len(o.token_ids) for o in output.outputs]
+    def on_request_finished(self, stream) -> None:
+        """Record one finished (or aborted) request from its stream's books (timestamps,
+        tokens per completion, finish reasons)."""
+        for i in range(stream.n):
+            self.request_success.labels(finished_reason=stream.finish_reasons.get(i, "abort")).inc()
+        self.prompt_tokens.inc(stream.num_prompt_tokens)
+        lengths = list(stream.num_tokens.values())
         self.generation_tokens.inc(sum(lengths))
         end = stream.finish_time
         self.e2e.observe(end - stream.arrival_time)

@@ -1,23 +1,31 @@
 """Pydantic models of the OpenAI requests and responses the server speaks.
 
 Requests are strict (no silent type coercion) and forbid unknown fields, so a field the
-engine does not understand is a 400 that names it instead of being dropped.
+engine does not understand is a 400 that names it instead of being dropped. Every number is
+bounded to what the engine represents, and every list stops at its first bad element
+(`fail_fast`), so a huge malformed array costs one error, not one per element.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedjax.sampling_params import MAX_LOGPROBS
+from pagedjax.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS,
+                                      MAX_STOP_TOKEN_IDS)
 
 MAX_N = 64  # completions per prompt
 MAX_SEED = 2**63 - 1
+MAX_SALT_LENGTH = 256
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -28,12 +36,12 @@ class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
@@ -41,15 +49,16 @@ class _SamplingRequest(_Request):
     user: str | None = None
     logit_bias: Any = None  # accepted only when empty
     # extra (non-OpenAI) sampling fields
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_LENGTH)  # keeps tenants' prefixes apart
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | Annotated[list[str], Field(fail_fast=True)] | TokenIds | Annotated[list[TokenIds], Field(fail_fast=True)]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False  # accepted only when false
     suffix: str | None = None  # accepted only when empty
@@ -63,13 +72,13 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)]
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Any = None  # accepted only as {"type": "text"}

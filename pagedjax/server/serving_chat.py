@@ -6,8 +6,7 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse
 
 from pagedjax.outputs import CompletionOutput
 from pagedjax.server.async_engine import EngineDeadError, ShuttingDownError
@@ -15,8 +14,8 @@ from pagedjax.server.errors import APIError, bad_request
 from pagedjax.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                                       ChatTokenLogprob, DeltaMessage, TopLogprob)
-from pagedjax.server.serving_common import (SSE_DONE, ServingBase, abort_all, completions_by_index, finite,
-                                            json_dumps, merge_streams, sse, top_logprobs)
+from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_dumps,
+                                            merge_streams, sse, top_logprobs)
 
 
 class ChatServing(ServingBase):
@@ -34,24 +33,25 @@ class ChatServing(ServingBase):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        ids = self.prompt_ids(req.messages)
+        ids = await self.run_cpu(self.prompt_ids, req.messages)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, self.resolve_max_tokens(requested, None, len(ids), param, "messages"), k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, [ids], [params])
+        streams = await self.submit(request_id, [ids], [params], req.cache_salt)
         n = req.n or 1
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self.stream(request_id, ids, streams, n, k, include_usage),
-                                     media_type="text/event-stream", background=BackgroundTask(abort_all, streams))
+            return self.event_stream(self.stream(request_id, ids, streams, n, k, include_usage), streams)
         finals = await self.collect(request, streams)
+        return JSONResponse(await self.run_cpu(self.response_body, request_id, ids, streams, finals[0], n, k))
+
+    def response_body(self, request_id: str, ids: list[int], streams, final, n: int, k: int | None) -> dict:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self.logprobs(c, 0, k), finish_reason=c.finish_reason or "abort")
-                   for c in completions_by_index(finals[0], n)]
-        resp = ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                      usage=self.usage([ids], finals))
-        return JSONResponse(resp.model_dump())
+                              logprobs=self.logprobs(c, k), finish_reason=c.finish_reason or "abort")
+                   for c in completions_by_index(final, n)]
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                      usage=self.usage([ids], streams)).model_dump()
 
     def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         """Render the chat template (with the generation prompt) and tokenize it."""
@@ -69,14 +69,13 @@ class ChatServing(ServingBase):
         self.check_prompt_ids(ids, "messages")
         return ids
 
-    def logprobs(self, c: CompletionOutput, start: int, k: int | None) -> ChatLogprobs | None:
-        """Chat-style logprobs of c's tokens from `start` on (None when not requested)."""
+    def logprobs(self, c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
+        """Chat-style logprobs of c's tokens (None when not requested)."""
         if k is None:
             return None
         entries = c.logprobs or []
         content = []
-        for pos in range(start, len(c.token_ids)):
-            tid = c.token_ids[pos]
+        for pos, tid in enumerate(c.token_ids):
             entry = entries[pos] if pos < len(entries) else {}
             token = self.decode_token(tid)
             top = [self.top_entry(t, v) for t, v in top_logprobs(entry, k)]
@@ -101,30 +100,31 @@ class ChatServing(ServingBase):
                 body.pop("usage")
             return sse(json_dumps(body))
 
-        sent = {i: [0, 0, False] for i in range(n)}  # index -> [chars sent, tokens sent, done]
-        final = None
+        done: set[int] = set()
+
+        def chunks_of(out) -> str:
+            text = ""
+            for c in completions_by_index(out, n):
+                reason = c.finish_reason or ("abort" if out.finished else None)
+                if c.index in done or (not c.text and not c.token_ids and reason is None):
+                    continue
+                if reason is not None:
+                    done.add(c.index)
+                text += chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None),
+                                              logprobs=self.logprobs(c, k), finish_reason=reason))
+            return text
+
         try:
             for i in range(n):
                 yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for _, out in merged:
-                    final = out
-                    for c in completions_by_index(out, n):
-                        state = sent[c.index]
-                        if state[2]:
-                            continue
-                        reason = c.finish_reason or ("abort" if out.finished else None)
-                        text = c.text[state[0]:]
-                        if not text and len(c.token_ids) == state[1] and reason is None:
-                            continue
-                        lp = self.logprobs(c, state[1], k)
-                        state[:] = [len(c.text), len(c.token_ids), reason is not None]
-                        yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text or None),
-                                                    logprobs=lp, finish_reason=reason))
+                    # logprobs can make a chunk large: build those off the event loop
+                    text = chunks_of(out) if k is None else await self.run_cpu(chunks_of, out)
+                    if text:
+                        yield text
             if include_usage:
-                yield chunk(None, self.usage([ids], [final]))
+                yield chunk(None, self.usage([ids], streams))
         except (EngineDeadError, ShuttingDownError) as exc:
             yield sse(json_dumps(APIError(str(exc), 503, "service_unavailable_error").body()))
-        finally:
-            abort_all(streams)
         yield SSE_DONE

@@ -1,22 +1,32 @@
 """What /v1/completions and /v1/chat/completions share: request checks, prompt limits,
-SamplingParams, submission to the AsyncEngine, stream merging and disconnect handling."""
+SamplingParams, submission to the AsyncEngine, stream merging, disconnect handling, the
+worker thread for CPU-heavy work and the event-stream response with a send timeout.
+
+Streams carry deltas (see `AsyncEngine`): a streaming handler turns each into a chunk, a
+non-streaming one merges them into the final outputs.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import math
-from functools import lru_cache
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache, partial
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.server.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestStream,
-                                          ShuttingDownError)
+                                          ShuttingDownError, merge_delta)
 from pagedjax.server.errors import APIError, bad_request
 from pagedjax.server.protocol import UsageInfo, _SamplingRequest
+
+logger = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
@@ -34,8 +44,14 @@ def finite(x: float) -> float:
 class ServingBase:
     """State and helpers shared by the two generation endpoints."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, tokenizer: Any) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, tokenizer: Any,
+                 cpu: ThreadPoolExecutor | None = None, send_timeout: float = 30.0) -> None:
         self.engine = engine
+        # one worker thread for tokenizing, templating and building big responses, so the
+        # event loop keeps serving other streams and /health meanwhile (one thread: the
+        # tokenizer is never used concurrently)
+        self.cpu = cpu or ThreadPoolExecutor(1, thread_name_prefix="pagedjax-cpu")
+        self.send_timeout = send_timeout
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.max_model_len = engine.max_model_len
@@ -44,6 +60,10 @@ class ServingBase:
                            or (len(tokenizer) if tokenizer is not None else 2**31))
         decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else (lambda tid: f"token_id:{tid}")
         self.decode_token = lru_cache(maxsize=65536)(decode)
+
+    async def run_cpu(self, fn: Callable, *args, **kwargs):
+        """fn(*args, **kwargs) on the CPU worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, partial(fn, *args, **kwargs))
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -105,33 +125,43 @@ class ServingBase:
 
     # ---- running --------------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompts: list[list[int]],
-                     params: list[SamplingParams]) -> list[RequestStream]:
+    async def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+                     cache_salt: str | None = None) -> list[RequestStream]:
         """Add one engine request per prompt; on any failure abort the ones already added."""
+        limit = self.engine.max_pending_requests
+        num_seqs = sum(p.n for p in params)
+        if num_seqs > limit:
+            raise bad_request(f"this request asks for {num_seqs} sequences (prompts x n), more than the "
+                              f"{limit} this server queues at once; split it")
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p, cache_salt))
         except BaseException as exc:
             for s in streams:
                 s.abort()
             if isinstance(exc, ValueError):
                 raise bad_request(str(exc)) from None
             if isinstance(exc, QueueFullError):
-                raise APIError(str(exc), 429, "rate_limit_error", None, "queue_full") from None
+                raise APIError(str(exc), 429, "rate_limit_error", None, "queue_full",
+                               headers={"Retry-After": "1"}) from None
             if isinstance(exc, (ShuttingDownError, EngineDeadError)):
                 raise APIError(str(exc), 503, "service_unavailable_error", None, "unavailable") from None
             raise
         return streams
 
     async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-        """Wait for every stream's final output; abort all if the client disconnects."""
+        """Wait for every stream's end and return each one's whole output (its deltas
+        merged); abort all if the client disconnects."""
         finals: list[RequestOutput | None] = [None] * len(streams)
 
         async def consume() -> None:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for i, out in merged:
-                    finals[i] = out
+                    if finals[i] is None:
+                        finals[i] = out
+                    else:
+                        merge_delta(finals[i], out)
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(wait_for_disconnect(request))
@@ -151,10 +181,45 @@ class ServingBase:
                 s.abort()
 
     @staticmethod
-    def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> UsageInfo:
+    def usage(prompts: list[list[int]], streams: list[RequestStream]) -> UsageInfo:
         p = sum(len(ids) for ids in prompts)
-        c = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        c = sum(n for s in streams for n in s.num_tokens.values())
         return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def event_stream(self, chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+        """The streaming response of `streams`, its chunks from `chunks`."""
+        return SSEResponse(chunks, self.send_timeout, streams)
+
+
+class _SlowClient(Exception):
+    pass
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response whose client must take each chunk within `send_timeout`
+    seconds: one that keeps its connection open but stops reading has its requests aborted
+    (their blocks freed) and its connection closed. Its requests are aborted whenever the
+    response ends, however it ends."""
+
+    def __init__(self, chunks: AsyncIterator[str], send_timeout: float, streams: list[RequestStream]) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self.send_timeout, self.streams = send_timeout, streams
+
+    async def stream_response(self, send) -> None:
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except asyncio.TimeoutError:
+                raise _SlowClient() from None
+
+        try:
+            await super().stream_response(timed_send)
+        except _SlowClient:
+            logger.warning("a client took no data for %.0f s: its request is aborted and its connection "
+                           "closed", self.send_timeout)
+        finally:
+            abort_all(self.streams)
+            await self.body_iterator.aclose()
 
 
 def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:

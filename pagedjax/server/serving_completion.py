@@ -6,16 +6,17 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse
 
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput
 from pagedjax.server.async_engine import EngineDeadError, ShuttingDownError
 from pagedjax.server.errors import APIError, bad_request
 from pagedjax.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse)
-from pagedjax.server.serving_common import (SSE_DONE, ServingBase, abort_all, completions_by_index, finite,
-                                            json_dumps, merge_streams, sse, top_logprobs)
+from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_dumps,
+                                            merge_streams, sse, top_logprobs)
+
+MAX_PROMPTS = 1024  # prompts per request
 
 
 class CompletionServing(ServingBase):
@@ -29,25 +30,28 @@ class CompletionServing(ServingBase):
             raise bad_request("`suffix` is not supported by this engine", "suffix")
         if req.best_of not in (None, req.n):
             raise bad_request("`best_of` is not supported by this engine (only best_of == n)", "best_of")
-        prompts = self.prompt_ids(req.prompt)
+        prompts = await self.run_cpu(self.prompt_ids, req.prompt)
         explicit = "max_tokens" in req.model_fields_set
         params = [self.sampling_params(
             req, self.resolve_max_tokens(req.max_tokens if explicit else None, None if explicit else 16,
                                          len(ids), "max_tokens", "prompt"), req.logprobs) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, prompts, params)
+        streams = await self.submit(request_id, prompts, params, req.cache_salt)
         n = req.n or 1
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self.stream(request_id, prompts, streams, n, req.logprobs, include_usage),
-                                     media_type="text/event-stream", background=BackgroundTask(abort_all, streams))
+            return self.event_stream(self.stream(request_id, prompts, streams, n, req.logprobs, include_usage),
+                                     streams)
         finals = await self.collect(request, streams)
+        body = await self.run_cpu(self.response_body, request_id, prompts, streams, finals, n, req.logprobs)
+        return JSONResponse(body)
+
+    def response_body(self, request_id: str, prompts, streams, finals, n: int, k: int | None) -> dict:
         choices = [CompletionChoice(index=p * n + c.index, text=c.text, finish_reason=c.finish_reason or "abort",
-                                    logprobs=self.logprobs(c, 0, req.logprobs, 0)[0])
+                                    logprobs=self.logprobs(c, k, 0)[0])
                    for p, out in enumerate(finals) for c in completions_by_index(out, n)]
-        resp = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                  usage=self.usage(prompts, finals))
-        return JSONResponse(resp.model_dump())
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                  usage=self.usage(prompts, streams)).model_dump()
 
     def prompt_ids(self, prompt) -> list[list[int]]:
         """Token ids of each prompt (a string, strings, token ids or lists of token ids)."""
@@ -57,8 +61,8 @@ class CompletionServing(ServingBase):
             raise bad_request("`prompt` must not be empty", "prompt")
         elif isinstance(prompt[0], int):
             prompt = [prompt]
-        if len(prompt) > 1024:
-            raise bad_request("at most 1024 prompts per request", "prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         out = []
         for p in prompt:
             ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
@@ -66,15 +70,13 @@ class CompletionServing(ServingBase):
             out.append(ids)
         return out
 
-    def logprobs(self, c: CompletionOutput, start: int, k: int | None,
-                 offset: int) -> tuple[CompletionLogprobs | None, int]:
-        """Logprobs of c's tokens from `start` on, text offsets counted from `offset`."""
+    def logprobs(self, c: CompletionOutput, k: int | None, offset: int) -> tuple[CompletionLogprobs | None, int]:
+        """Logprobs of c's tokens, text offsets counted from `offset`."""
         if k is None:
             return None, offset
         lp = CompletionLogprobs()
         entries = c.logprobs or []
-        for pos in range(start, len(c.token_ids)):
-            tid = c.token_ids[pos]
+        for pos, tid in enumerate(c.token_ids):
             entry = entries[pos] if pos < len(entries) else {}
             token = self.decode_token(tid)
             lp.tokens.append(token)
@@ -88,8 +90,8 @@ class CompletionServing(ServingBase):
                      include_usage: bool):
         """SSE chunks: text deltas per choice, a finish_reason per choice, usage, [DONE]."""
         created = int(time.time())
-        sent: dict[int, list[int]] = {}  # choice index -> [chars sent, tokens sent, text offset, done]
-        finals: list[RequestOutput | None] = [None] * len(streams)
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
+        done: set[int] = set()
 
         def chunk(choices, usage=None) -> str:
             body = CompletionResponse(id=request_id, created=created, model=self.served_model_name,
@@ -98,27 +100,28 @@ class CompletionServing(ServingBase):
                 body.pop("usage")
             return sse(json_dumps(body))
 
+        def chunks_of(p: int, out) -> str:
+            text = ""
+            for c in completions_by_index(out, n):
+                index = p * n + c.index
+                reason = c.finish_reason or ("abort" if out.finished else None)
+                if index in done or (not c.text and not c.token_ids and reason is None):
+                    continue
+                lp, offsets[index] = self.logprobs(c, k, offsets.get(index, 0))
+                if reason is not None:
+                    done.add(index)
+                text += chunk([CompletionChoice(index=index, text=c.text, logprobs=lp, finish_reason=reason)])
+            return text
+
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for p, out in merged:
-                    finals[p] = out
-                    for c in completions_by_index(out, n):
-                        index = p * n + c.index
-                        state = sent.setdefault(index, [0, 0, 0, 0])
-                        if state[3]:
-                            continue
-                        reason = c.finish_reason or ("abort" if out.finished else None)
-                        text = c.text[state[0]:]
-                        if not text and len(c.token_ids) == state[1] and reason is None:
-                            continue
-                        lp, state[2] = self.logprobs(c, state[1], k, state[2])
-                        state[0], state[1], state[3] = len(c.text), len(c.token_ids), reason is not None
-                        yield chunk([CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=reason)])
+                    # logprobs can make a chunk large: build those off the event loop
+                    text = chunks_of(p, out) if k is None else await self.run_cpu(chunks_of, p, out)
+                    if text:
+                        yield text
             if include_usage:
-                yield chunk([], self.usage(prompts, finals))
+                yield chunk([], self.usage(prompts, streams))
         except (EngineDeadError, ShuttingDownError) as exc:
             yield sse(json_dumps(APIError(str(exc), 503, "service_unavailable_error").body()))
-        finally:
-            abort_all(streams)
         yield SSE_DONE
-

@@ -21,11 +21,11 @@ MODEL = "fake-model"
 
 @contextmanager
 def running_server(engine: FakeEngine | None = None, *, api_key: str | None = None,
-                   max_pending_requests: int = 1024):
-    """Serve `engine` on 127.0.0.1:<free port> until the block exits."""
+                   max_pending_requests: int = 1024, **app_kwargs):
+    """Serve `engine` on 127.0.0.1:<free port> until the block exits (app_kwargs go to build_app)."""
     engine = engine or FakeEngine()
     async_engine = AsyncEngine(engine, max_pending_requests=max_pending_requests)
-    app = build_app(async_engine, MODEL, api_key=api_key)
+    app = build_app(async_engine, MODEL, api_key=api_key, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -6,7 +6,8 @@ Vocabulary (a WordLevel tokenizer built in-process): 4 special tokens, the role 
 temperature > 0 words are drawn from `random.Random(f"{seed}-{index}")`. Completion i of
 n starts i words later. Logprobs: the sampled token -0.5, then token+1: -1.0, token+2:
 -2.0, ... Each request reserves n * ceil((prompt + max_tokens) / block_size) blocks while it
-runs, and gets one token per sequence per step.
+runs, and gets one token per sequence per step. With `output_deltas` (the server sets it)
+each output carries only what is new, as LLMEngine's do.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class _Seq:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
 
 
 @dataclass
@@ -74,11 +77,11 @@ class FakeEngine:
     """Implements the LLMEngine interface the server codes against."""
 
     def __init__(self, max_model_len: int = 256, block_size: int = 4, num_blocks: int = 1024,
-                 max_num_seqs: int = 64, step_delay: float = 0.0) -> None:
+                 max_num_seqs: int = 64, step_delay: float = 0.0, stats_delay: float = 0.0) -> None:
         self.tokenizer = make_tokenizer()
         self.model_name = "fake-model"
         self.max_model_len, self.block_size, self.num_blocks = max_model_len, block_size, num_blocks
-        self.max_num_seqs, self.step_delay = max_num_seqs, step_delay
+        self.max_num_seqs, self.step_delay, self.stats_delay = max_num_seqs, step_delay, stats_delay
         self.free_blocks = num_blocks
         self.waiting: deque[_Req] = deque()
         self.running: dict[str, _Req] = {}
@@ -87,13 +90,17 @@ class FakeEngine:
         self.params: dict[str, SamplingParams] = {}
         self.threads: set[int] = set()  # threads that called into the engine (must be one)
         self.fail_next_step = False
-        self.steps = 0
+        self.num_steps = 0
+        self.output_deltas = False
+        self.cache_salts: dict[str, str | None] = {}
 
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         self._touch()
+        self.cache_salts[request_id] = cache_salt
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt")
@@ -126,7 +133,6 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self._touch()
-        self.steps += 1
         if self.step_delay:
             time.sleep(self.step_delay)
         if self.fail_next_step:
@@ -136,6 +142,8 @@ class FakeEngine:
             req = self.waiting.popleft()
             self.free_blocks -= req.blocks
             self.running[req.request_id] = req
+        if self.running:  # as LLMEngine's: counts the steps that ran a batch
+            self.num_steps += 1
         outputs = []
         for req in list(self.running.values()):
             for seq in req.seqs:
@@ -145,12 +153,15 @@ class FakeEngine:
             if finished:
                 del self.running[req.request_id]
                 self.free_blocks += req.blocks
-            outputs.append(RequestOutput(
-                req.request_id, None, list(req.prompt_token_ids),
-                [CompletionOutput(s.index, s.text, list(s.token_ids), s.finish_reason,
-                                  list(s.logprobs) if req.params.logprobs is not None else None, s.stop_reason)
-                 for s in req.seqs], finished=finished))
+            outputs.append(RequestOutput(req.request_id, None, list(req.prompt_token_ids),
+                                         [self._output(req, s) for s in req.seqs], finished=finished))
         return outputs
+
+    def _output(self, req: _Req, s: _Seq) -> CompletionOutput:
+        a, c = (s.sent_tokens, s.sent_chars) if self.output_deltas else (0, 0)
+        s.sent_tokens, s.sent_chars = len(s.token_ids), len(s.text)
+        return CompletionOutput(s.index, s.text[c:], s.token_ids[a:], s.finish_reason,
+                                s.logprobs[a:] if req.params.logprobs is not None else None, s.stop_reason)
 
     def _advance(self, req: _Req, seq: _Seq) -> None:
         p = req.params
@@ -182,6 +193,8 @@ class FakeEngine:
 
     def stats(self) -> dict:
         self._touch()
+        if self.stats_delay:
+            time.sleep(self.stats_delay)
         return {"kv_blocks_total": self.num_blocks, "kv_blocks_free": self.free_blocks,
                 "num_requests_running": len(self.running), "num_requests_waiting": len(self.waiting),
                 "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0, "num_preemptions": 0,

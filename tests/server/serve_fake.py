@@ -1,6 +1,6 @@
 """Serve a FakeEngine with the real `serve()` entry point (used by the signal tests).
 
-Usage: python serve_fake.py PORT
+Usage: python serve_fake.py PORT [fail]   (fail: the first engine step raises)
 """
 import sys
 from pathlib import Path
@@ -13,6 +13,8 @@ from pagedjax.server.async_engine import AsyncEngine  # noqa: E402
 from pagedjax.server.cli import serve  # noqa: E402
 
 if __name__ == "__main__":
-    engine = AsyncEngine(FakeEngine(step_delay=0.01))
+    fake = FakeEngine(step_delay=0.01)
+    fake.fail_next_step = sys.argv[2:] == ["fail"]
+    engine = AsyncEngine(fake)
     sys.exit(serve(engine, port=int(sys.argv[1]), served_model_name="fake-model", shutdown_timeout=10,
                    log_level="warning"))

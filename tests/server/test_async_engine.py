@@ -24,13 +24,14 @@ def test_outputs_and_drain_on_shutdown():
         ae = AsyncEngine(FakeEngine(step_delay=0.001))
         ae.start()
         stream = await ae.add_request("a", [W0 + 1], SamplingParams(max_tokens=3))
-        outs = [o async for o in stream]
-        assert [o.outputs[0].text for o in outs] == ["w2", "w2 w3", "w2 w3 w4"] and outs[-1].finished
+        outs = [o async for o in stream]  # deltas: each carries only what is new
+        assert [o.outputs[0].text for o in outs] == ["w2", " w3", " w4"] and outs[-1].finished
+        assert [o.outputs[0].token_ids for o in outs] == [[W0 + 2], [W0 + 3], [W0 + 4]]
         assert stream.first_token_time is not None and stream.finish_time >= stream.first_token_time
         stream = await ae.add_request("b", [W0 + 1], SamplingParams(max_tokens=20))
         await ae.shutdown(drain_timeout=10)  # in flight: allowed to finish
         outs = [o async for o in stream]
-        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 20
+        assert outs[-1].outputs[0].finish_reason == "length" and sum(len(o.outputs[0].token_ids) for o in outs) == 20
         assert not ae.is_alive
 
     asyncio.run(run())
@@ -62,7 +63,7 @@ def test_errors_pending_limit_abort_and_shutdown():
     asyncio.run(run())
 
 
-def test_abort_during_run_ends_with_last_output():
+def test_abort_during_run_ends_the_stream():
     async def run():
         engine = FakeEngine(step_delay=0.005)
         ae = AsyncEngine(engine)
@@ -70,10 +71,9 @@ def test_abort_during_run_ends_with_last_output():
         stream = await ae.add_request("a", [W0], SamplingParams(max_tokens=200, ignore_eos=True))
         first = await stream.__anext__()
         assert first.outputs[0].text == "w1"
-        await ae.shutdown()  # no drain: aborted with what it had
+        await ae.shutdown()  # no drain: aborted
         outs = [o async for o in stream]
-        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-        assert outs[-1].outputs[0].text.startswith("w1")
+        assert outs[-1].finished and all(c.finish_reason is None for o in outs for c in o.outputs)
         assert engine.free_blocks == engine.num_blocks
 
     asyncio.run(run())

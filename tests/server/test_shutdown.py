@@ -20,12 +20,12 @@ SCRIPT = Path(__file__).parent / "serve_fake.py"
 ROOT = Path(__file__).parents[2]
 
 
-def _start() -> tuple[subprocess.Popen, str]:
+def _start(*args: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(port)], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(port), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
@@ -74,3 +74,16 @@ def test_sigint_exits_0():
         assert proc.wait(30) == 0, proc.communicate()[0].decode()[-2000:]
     finally:
         proc.kill()
+
+
+def test_engine_failure_exits_1():
+    """A step that raises may have poisoned the device state: the request fails with 503 and
+    the server exits non-zero so that a supervisor restarts it."""
+    proc, url = _start("fail")
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "w1", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 503 and "injected" not in r.text
+    try:
+        assert proc.wait(timeout=20) == 1
+    finally:
+        proc.kill()
+    assert "the engine failed" in proc.communicate()[0].decode()
