@@ -117,8 +117,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
         await async_engine.shutdown(drain_timeout)
         cpu.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="pagedjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedjax", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine, app.state.metrics = async_engine, metrics
+    app.openapi = lambda: _openapi(app)
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=lambda: metrics.on_error(401))
@@ -166,11 +167,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
         except (ClientDisconnect, ClientDisconnected):  # the client left: nobody to answer
             return Response(status_code=499)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def create_completion(request: Request):
         return await generate(request, CompletionRequest, completions)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def create_chat_completion(request: Request):
         return await generate(request, ChatCompletionRequest, chat)
 
@@ -197,3 +198,25 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that parses `model` itself (its nested models are
+    added to the components by `_openapi`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """/openapi.json: FastAPI's schema plus the request models the handlers parse by hand."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
