@@ -6,12 +6,25 @@ when the pool needs it, least recently freed first, and its cache entry is dropp
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
-    """Chained block hash: equal hashes mean equal prefixes up to and including this block."""
-    return hash((parent_hash, token_ids, extra))
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None = None) -> bytes:
+    """Chained prefix-cache key of a full block: sha256 (32 bytes) over the parent block's key,
+    the salt and the block's token ids, so equal keys mean equal prefixes up to and including
+    this block (and equal salts), the same in every process. Callers pass the request's
+    `cache_salt` for its first block only (the chain carries it on); None and "" are no salt.
+
+    Input bytes: a tag (0: first block, 1: followed by the 32-byte parent key), the salt's UTF-8
+    length (8 bytes) and bytes, then the token ids as little-endian int64: no two inputs
+    serialize alike."""
+    salt = cache_salt.encode() if cache_salt else b""
+    head = b"\x00" if parent_hash is None else b"\x01" + parent_hash
+    tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.sha256(head + len(salt).to_bytes(8, "little") + salt + tokens).digest()
 
 
 class BlockPool:
@@ -23,8 +36,8 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU order
-        self._hash_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, token ids)
-        self._block_of: dict[int, int] = {}  # hash -> block
+        self._hash_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (key, token ids)
+        self._block_of: dict[bytes, int] = {}  # key -> block
         self.num_evictions = 0
         self.num_cow_copies = 0
 
@@ -82,15 +95,16 @@ class BlockPool:
         return new
 
     # -- prefix cache ---------------------------------------------------------------------
-    def cache_block(self, block: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Registers a full block under its chained hash (first writer wins)."""
+    def cache_block(self, block: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        """Registers a full block under its chained key (`hash_block`; first writer wins)."""
         if not self.enable_prefix_caching or block_hash in self._block_of or block in self._hash_of:
             return
         self._block_of[block_hash] = block
         self._hash_of[block] = (block_hash, token_ids)
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """The cached block for this hash, confirmed on its token ids, or None."""
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block for this key, or None. The key covers the whole prefix; the
+        token ids of the block itself are compared too (cheap, a second check)."""
         if not self.enable_prefix_caching:
             return None
         block = self._block_of.get(block_hash)

@@ -16,13 +16,13 @@ from pagedjax.block_pool import hash_block
 from pagedjax.request import Request
 from pagedjax.scheduler import Scheduler
 
-_AFFINITY_ENTRIES = 4096  # first-block hashes remembered
+_AFFINITY_ENTRIES = 4096  # first-block keys remembered
 
 
 class DataParallelRouter:
     def __init__(self, schedulers: list[Scheduler]):
         self.schedulers = schedulers
-        self._rank_of_first_block: OrderedDict[int, int] = OrderedDict()
+        self._rank_of_first_block: OrderedDict[bytes, int] = OrderedDict()  # first block's key -> rank
 
     def route(self, req: Request) -> int:
         """The rank for req (also stored in req.dp_rank)."""
@@ -47,7 +47,7 @@ class DataParallelRouter:
         req.dp_rank = rank
         return rank
 
-    def _first_block_hash(self, req: Request) -> int | None:
+    def _first_block_hash(self, req: Request) -> bytes | None:
         bs = self.schedulers[0].block_size
         if req.num_prompt_tokens <= bs:
             return None

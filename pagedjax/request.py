@@ -28,12 +28,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of this sequence's full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # keys (hash_block) of its leading full blocks cached
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_shared_kv_tokens: int = 0  # positions below this already hold KV (a fork's inherited prompt)
     pending_forks: list["Request"] = field(default_factory=list)  # n > 1: siblings forked after prefill
     reserved_seats: int = 0  # running slots held for sequences this request will fork later
+    num_passed: int = 0  # later requests admitted before it while it did not fit (bounded: no starvation)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     beam_group: object = None  # the BeamGroup this request is a beam of, if any
     dp_rank: int = 0  # the data-parallel rank whose block pool and scheduler hold this request

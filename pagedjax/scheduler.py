@@ -6,6 +6,13 @@ in the same step, prompt chunks of partly prefilled and waiting requests (prefix
 skipped) within the token budget, so a long prompt never stalls the running requests. A
 request takes any number of tokens in a step, and appears in it at most once.
 `update()` folds the sampled tokens back in; finished requests return their blocks at once.
+
+Waiting requests are admitted in order, with two exceptions. A request whose next uncached
+prompt block a running request is computing right now waits for it (and hits it once it is
+cached) instead of computing it too, so a prompt shared by requests arriving together is
+computed once. A request that does not fit (seats or blocks) lets later ones that fit go
+first, at most max_num_seqs of them; then the queue waits for it. A preempted request that
+does not fit is never passed.
 """
 from __future__ import annotations
 
@@ -56,6 +63,8 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0
         self.num_forks = 0
         self._copies: list[tuple[int, int]] = []  # copy-on-write copies for the step being built
+        self._inflight: dict[bytes, Request] = {}  # key of a full block being computed -> the request computing it
+        self._inflight_keys: dict[Request, list[bytes]] = {}  # request -> its keys in _inflight
 
     # -- queue management -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -86,6 +95,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._release_inflight(req)
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
         req.status = RequestStatus.FINISHED
@@ -127,17 +137,39 @@ class Scheduler:
                 break
             reqs.append(req), starts.append(req.num_computed_tokens), q_lens.append(q)
             budget -= q
+        self._admit_waiting(budget, reqs, starts, q_lens)
+        return reqs, starts, q_lens
+
+    def _admit_waiting(self, budget: int, reqs: list[Request], starts: list[int], q_lens: list[int]) -> None:
+        """Admits waiting requests in queue order while the step has tokens and seats left,
+        appending their first chunks to reqs, starts, q_lens. Two kinds stay queued while
+        later ones are still considered: one whose next prompt block another request is
+        computing now (it hits that block at a later step), and one that does not fit (seats
+        or blocks), until max_num_seqs later requests have gone first; then the queue stops at
+        it, as it always does at a preempted request that does not fit. At most max_num_seqs
+        requests stay queued per step (bounds the look-ahead)."""
+        max_seqs = self.buckets.max_num_seqs
         seats = self.num_seats_taken()
-        while self.waiting and budget > 0:
+        skipped: list[Request] = []  # left waiting this step, in queue order
+        passed: list[Request] = []  # those of them that did not fit: admissions behind them pass them
+        while self.waiting and budget > 0 and seats < max_seqs and len(skipped) < max_seqs:
             req = self.waiting[0]
-            if seats + 1 + req.reserved_seats > self.buckets.max_num_seqs:
-                break  # room for the request and the sequences it will fork
-            hits = self._match_prefix(req)
-            start = len(hits) * self.block_size
-            q = min(req.num_tokens - start, budget)
-            need = cdiv(start + q, self.block_size) - len(hits)
-            if need > self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits):
-                break
+            fits = seats + 1 + req.reserved_seats <= max_seqs  # room for it and the sequences it will fork
+            if fits:
+                hits, next_key = self._match_prefix(req)
+                if next_key is not None and self._in_flight(next_key, req):
+                    skipped.append(self.waiting.popleft())
+                    continue
+                start = len(hits) * self.block_size
+                q = min(req.num_tokens - start, budget)
+                need = cdiv(start + q, self.block_size) - len(hits)
+                fits = need <= self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits)
+            if not fits:
+                if req.status is RequestStatus.PREEMPTED or req.num_passed >= max_seqs:
+                    break
+                skipped.append(self.waiting.popleft())
+                passed.append(req)
+                continue
             for b in hits:
                 self.pool.take(b)
             req.block_ids = hits + self.pool.allocate(need)
@@ -151,10 +183,13 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(req)
+            self._register_inflight(req)
             seats += 1 + req.reserved_seats
+            for r in passed:
+                r.num_passed += 1
             reqs.append(req), starts.append(start), q_lens.append(q)
             budget -= q
-        return reqs, starts, q_lens
+        self.waiting.extendleft(reversed(skipped))
 
     def _schedule_decode(self, budget: int) -> list[Request]:
         """Running requests with exactly one token to go, their next slot ready (at most
@@ -212,6 +247,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Frees a running request's blocks; it is recomputed later (its prefix may be cached)."""
         self.running.remove(req)
+        self._release_inflight(req)
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
         req.num_computed_tokens = 0
@@ -222,16 +258,17 @@ class Scheduler:
 
     def num_cached_prefix_blocks(self, req: Request) -> int:
         """Leading blocks of req this pool has cached now (nothing taken)."""
-        return len(self._match_prefix(req))
+        return len(self._match_prefix(req)[0])
 
     def load(self) -> int:
         """Sequences running or waiting here, with the seats they hold for forks."""
         return self.num_seats_taken() + sum(1 + r.reserved_seats for r in self.waiting)
 
-    def _match_prefix(self, req: Request) -> list[int]:
-        """Cached blocks covering req's leading full blocks (at least one token left to compute)."""
+    def _match_prefix(self, req: Request) -> tuple[list[int], bytes | None]:
+        """Cached blocks covering req's leading full blocks (at least one token left to
+        compute), and the key of the full block after them (None: none left to look up)."""
         if not self.pool.enable_prefix_caching:
-            return []
+            return [], None
         hits, parent, bs = [], None, self.block_size
         all_ids = req.all_token_ids
         for i in range((req.num_tokens - 1) // bs):
@@ -240,12 +277,41 @@ class Scheduler:
                 hash_block(parent, tokens, req.cache_salt if i == 0 else None)
             block = self.pool.lookup(h, tokens)
             if block is None:
-                break
+                return hits, h
             if i >= len(req.block_hashes):
                 req.block_hashes.append(h)
             hits.append(block)
             parent = h
-        return hits
+        return hits, None
+
+    # -- prefix blocks in flight ----------------------------------------------------------
+    def _in_flight(self, key: bytes, req: Request) -> bool:
+        """Whether another running request is computing the full block with this key now."""
+        owner = self._inflight.get(key)
+        return owner is not None and owner is not req and owner.status is RequestStatus.RUNNING
+
+    def _register_inflight(self, req: Request) -> None:
+        """Marks the full blocks a just admitted req will compute (after its hits) as in
+        flight, so that waiting requests needing them wait for them rather than compute them
+        too. Entries go when the block is cached, or all at once when req completes its
+        pending tokens, finishes or is preempted."""
+        if not self.pool.enable_prefix_caching:
+            return
+        bs, tokens = self.block_size, req.all_token_ids
+        parent = req.block_hashes[-1] if req.block_hashes else None
+        keys = []
+        for i in range(len(req.block_hashes), req.num_tokens // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], None if i else req.cache_salt)
+            if self._inflight.setdefault(parent, req) is req:  # first computing request owns it
+                keys.append(parent)
+        if keys:
+            self._inflight_keys[req] = keys
+
+    def _release_inflight(self, req: Request) -> None:
+        """Drops req's in-flight entries: nobody waits for blocks it no longer computes."""
+        for key in self._inflight_keys.pop(req, ()):
+            if self._inflight.get(key) is req:
+                del self._inflight[key]
 
     # -- after the step -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
@@ -257,6 +323,7 @@ class Scheduler:
             self._cache_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue
+            self._release_inflight(req)  # nothing left to compute: its blocks are cached
             if req.pending_forks:  # n > 1: the prompt is computed; siblings share its blocks
                 self._fork_siblings(req)
             req.output_token_ids.append(token)
@@ -282,6 +349,8 @@ class Scheduler:
             h = hash_block(req.block_hashes[-1] if req.block_hashes else None, chunk, None if i else req.cache_salt)
             req.block_hashes.append(h)
             self.pool.cache_block(req.block_ids[i], h, chunk)
+            if self._inflight.get(h) is req:  # waiters hit it from now on
+                del self._inflight[h]
 
     def check_stop(self, req: Request, token: int) -> None:
         """Finishes req if `token` ends it (EOS, stop token, max_tokens, max_model_len)."""

@@ -1,4 +1,10 @@
-"""Block pool invariants, by hand and under random interleavings (hypothesis)."""
+"""Block pool invariants, by hand and under random interleavings (hypothesis); prefix-cache keys."""
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -54,8 +60,61 @@ def test_copy_on_write_copies_only_shared_blocks():
 def test_prefix_caching_off_caches_nothing():
     pool = BlockPool(2, 2, enable_prefix_caching=False)
     (b,) = pool.allocate(1)
-    pool.cache_block(b, 123, (1, 2))
-    assert pool.lookup(123, (1, 2)) is None and pool.num_cached == 0
+    key = hash_block(None, (1, 2))
+    pool.cache_block(b, key, (1, 2))
+    assert pool.lookup(key, (1, 2)) is None and pool.num_cached == 0
+
+
+def chain(blocks, salt=None):
+    """Keys of consecutive blocks, chained as the scheduler does (salt on the first only)."""
+    keys, parent = [], None
+    for i, tokens in enumerate(blocks):
+        parent = hash_block(parent, tokens, None if i else salt)
+        keys.append(parent)
+    return keys
+
+
+def test_key_is_sha256_of_parent_salt_and_tokens():
+    """The same bytes in every process (not Python's per-process randomized hash)."""
+    tokens = (1, 2, 3, 4)
+    first = hash_block(None, tokens)
+    assert first == hashlib.sha256(b"\x00" + bytes(8) + struct.pack("<4q", *tokens)).digest()
+    assert first.hex() == "9212399fad9fbce28be7482cf37471153f9586cb873b0c2d2310d4958a4c53fc"
+    salted = hashlib.sha256(b"\x00" + (3).to_bytes(8, "little") + b"abc" + struct.pack("<4q", *tokens)).digest()
+    assert hash_block(None, tokens, "abc") == salted
+    child = hash_block(first, (5, 6, 7, 8))
+    assert child == hashlib.sha256(b"\x01" + first + bytes(8) + struct.pack("<4q", 5, 6, 7, 8)).digest()
+    assert len(child) == 32
+    code = ("from pagedjax.block_pool import hash_block\n"
+            "print(hash_block(hash_block(None, (1, 2, 3, 4)), (5, 6, 7, 8)).hex())")
+    for seed in ("1", "2"):
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        assert other == child.hex()
+
+
+def test_equal_prefixes_equal_keys_and_any_earlier_token_changes_the_key():
+    blocks = [tuple(range(i * 16, (i + 1) * 16)) for i in range(4)]
+    keys = chain(blocks)
+    assert chain([list(b) for b in blocks]) == keys and len(set(keys)) == 4
+    for b in range(4):
+        for j in range(16):
+            changed = [list(t) for t in blocks]
+            changed[b][j] += 1
+            other = chain(changed)
+            assert other[:b] == keys[:b]  # blocks before the change keep their keys
+            assert all(x != y for x, y in zip(other[b:], keys[b:]))  # it and every later block differ
+
+
+def test_salts_separate_keys():
+    tokens = tuple(range(16))
+    salts = ["a", "b", "ab", "a\x00", " ", "\u00e9", "0" * 100]
+    keys = {salt: chain([tokens, tokens], salt) for salt in salts}
+    unsalted = chain([tokens, tokens])
+    assert chain([tokens, tokens], "") == unsalted  # "" is no salt, as None
+    for k in keys.values():
+        assert k[0] != unsalted[0] and k[1] != unsalted[1]  # the salt carries on down the chain
+    assert len({k[1] for k in keys.values()}) == len(salts)
 
 
 @settings(max_examples=150, deadline=None)

@@ -37,7 +37,7 @@ def test_rejects_prompts_that_can_never_run():
 def test_admits_up_to_max_num_seqs_and_decodes_all():
     s = make(max_num_seqs=2)
     for i in range(3):
-        s.add(req(str(i), 5))
+        s.add(req(str(i), 5, start=100 * i))  # distinct prompts: none waits for another's blocks
     out = run_step(s)
     assert out.num_decode == 0 and [r.request_id for r in out.requests] == ["0", "1"]
     assert out.q_lens == [5, 5] and len(s.waiting) == 1
@@ -160,3 +160,78 @@ def test_prompt_chunk_trimmed_to_fill_the_rung_below():
     assert out.q_lens == [1, 1, 1, 1, 28] and sum(out.q_lens) == 32
     out = run_step(s)
     assert out.q_lens == [1, 1, 1, 1, 4]
+
+
+def test_cache_salt_separates_tenants():
+    """Same prompt, different salts: a request hits only blocks cached under its own salt."""
+    s = make(block_size=4)
+    hits = []
+    for salt in ("a", None, "b", "a", ""):
+        r = req(f"salt {salt!r}", 10, max_tokens=1)
+        r.cache_salt = salt
+        s.add(r)
+        run_step(s)
+        assert r.is_finished
+        hits.append(r.num_cached_tokens)
+    assert hits == [0, 0, 0, 8, 8]  # "a" hits its own blocks; "" is no salt and hits None's
+
+
+def forking(rid, n, seats, start, max_tokens=4):
+    """A request that forks `seats` siblings once its prompt is computed (n = seats + 1)."""
+    parent = req(rid, n, max_tokens, start)
+    parent.pending_forks = [req(f"{rid}#{i}", n, max_tokens, start) for i in range(1, seats + 1)]
+    parent.reserved_seats = seats
+    return parent
+
+
+def test_small_requests_pass_a_head_that_needs_more_seats_than_are_free():
+    s = make(max_num_seqs=4, num_blocks=32)
+    for i in range(2):
+        s.add(req(f"run{i}", 3, max_tokens=10, start=100 * i))
+    run_step(s)
+    big, small = forking("big", 5, seats=2, start=300), req("small", 3, start=400)  # big needs 3 seats, 2 free
+    s.add(big), s.add(small)
+    out = run_step(s)
+    assert out.requests[-1] is small and list(s.waiting) == [big] and big.num_passed == 1
+
+
+def test_small_requests_pass_a_head_that_needs_more_blocks_than_are_free():
+    s = make(num_blocks=16, block_size=4, max_num_seqs=4)
+    s.add(req("running", 36, max_tokens=20))  # 10 blocks once it decodes
+    run_step(s)
+    big, small = req("big", 40, start=300), req("small", 3, start=400)  # 10 blocks, 6 free; 1 block
+    s.add(big), s.add(small)
+    out = run_step(s)
+    assert out.requests[-1] is small and list(s.waiting) == [big]
+
+
+def test_a_passed_request_is_not_starved_by_a_stream_of_small_ones():
+    """Each step a new small request arrives and keeps a seat busy: without a bound the big
+    request (all 4 seats) would never fit. After max_num_seqs requests passed it, the queue
+    waits for it."""
+    s = make(max_num_seqs=4, num_blocks=64)
+    big = forking("big", 5, seats=3, start=1000)
+    s.add(req("s0", 3, max_tokens=3))
+    run_step(s)
+    s.add(big)
+    for step in range(1, 30):
+        s.add(req(f"s{step}", 3, max_tokens=3, start=10 * step))
+        run_step(s)
+        if big.status is not RequestStatus.WAITING:
+            break
+    assert big.status is RequestStatus.RUNNING and big.num_passed == 4
+    assert step <= 8  # 4 passes, then the running small requests drain
+
+
+def test_a_preempted_request_is_not_passed():
+    s = make(num_blocks=4, block_size=4, max_num_seqs=4)
+    a, b = req("a", 4, max_tokens=8), req("b", 4, max_tokens=8, start=200)
+    s.add(a), s.add(b)
+    while not s.num_preemptions:
+        run_step(s)
+    assert list(s.waiting) == [b] and b.status is RequestStatus.PREEMPTED
+    c = req("c", 3, max_tokens=1, start=300)  # one block: it would fit before b does
+    s.add(c)
+    while c.num_computed_tokens == 0:
+        run_step(s)
+        assert c.num_computed_tokens == 0 or b.status is RequestStatus.RUNNING

@@ -48,6 +48,23 @@ def test_shared_system_prompt_is_computed_once(llm):
     assert hits >= 0.95 * shareable
 
 
+def test_shared_prompt_of_requests_arriving_together_is_computed_once(llm):
+    """All added before the first step: the first computes the 64-token prefix, the others
+    wait for its blocks and hit them; greedy tokens are those of each prompt computed alone."""
+    prompts = shared_prefix_prompts(8, prefix_len=64, seed=2)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.engine.pool.reset_prefix_cache()
+    before = llm.stats()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 7 * 64
+    computed = stats["num_computed_prompt_tokens"] - before["num_computed_prompt_tokens"]
+    assert computed == 64 + sum(len(p) - 64 for p in prompts)
+    for prompt, out in zip(prompts, outs):
+        llm.engine.pool.reset_prefix_cache()
+        assert out.outputs[0].token_ids == unshared(llm, prompt, params)
+
+
 def unshared(llm, prompt, params):
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
