@@ -62,6 +62,14 @@ class LeaderEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    @property
+    def output_deltas(self) -> bool:  # set by AsyncEngine: must reach the wrapped engine
+        return self.engine.output_deltas
+
+    @output_deltas.setter
+    def output_deltas(self, value: bool) -> None:
+        self.engine.output_deltas = value
+
     def add_request(self, request_id, prompt, params=None, cache_salt=None) -> None:
         self.engine.add_request(request_id, prompt, params, cache_salt)  # raises before anything is logged
         self._calls.append(("add", request_id, prompt, params, cache_salt))

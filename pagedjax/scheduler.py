@@ -109,10 +109,19 @@ class Scheduler:
         reqs, starts, q_lens = self._schedule_prefill(budget - len(decode))
         if not decode and not reqs:
             return None
-        if q_lens:
-            q_lens[-1] -= self._trim_to_rung(len(decode) + sum(q_lens), q_lens[-1])
+        if q_lens and (cut := self._trim_to_rung(len(decode) + sum(q_lens), q_lens[-1])):
+            q_lens[-1] -= cut
+            self._release_tail(reqs[-1], starts[-1] + q_lens[-1])
         return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
                                [1] * len(decode) + q_lens, len(decode), self._copies)
+
+    def _release_tail(self, req: Request, end: int) -> None:
+        """Returns req's blocks past token position `end` to the pool (allocated for tokens
+        that a trim moved to a later step): a step holds no block it does not write."""
+        keep = cdiv(end, self.block_size)
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:][::-1])
+            del req.block_ids[keep:]
 
     def _trim_to_rung(self, total: int, last_chunk: int) -> int:
         """Tokens to cut from the step's last prompt chunk so that the step fills the rung
