@@ -112,7 +112,9 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         old.text += o.text
         old.token_ids.extend(o.token_ids)
         if o.logprobs is not None:
-            old.logprobs = (old.logprobs or []) + o.logprobs
+            if old.logprobs is None:
+                old.logprobs = []
+            old.logprobs.extend(o.logprobs)  # deltas are fresh lists: extending is safe
         old.finish_reason, old.stop_reason = o.finish_reason, o.stop_reason
     into.finished = into.finished or new.finished
     into.num_cached_tokens = new.num_cached_tokens
@@ -122,6 +124,9 @@ class AsyncEngine:
     """Runs `engine.step()` in a background thread and fans outputs out to asyncio streams."""
 
     def __init__(self, engine: Any, max_pending_requests: int = 1024, metrics: Any = None) -> None:
+        if not hasattr(engine, "output_deltas"):
+            raise TypeError(f"{type(engine).__name__} has no `output_deltas`: AsyncEngine needs an engine that "
+                            f"can return only what is new in each output (as LLMEngine does)")
         self.engine = engine
         engine.output_deltas = True
         self.tokenizer = engine.tokenizer
@@ -178,10 +183,16 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """The engine's stats as of the last step, plus the server-side counts."""
-        streams = list(self._streams.values())
-        oldest = min((s.arrival_time for s in streams), default=None)
-        return {**self._stats, "num_requests_pending": self.num_pending, "num_requests_in_flight": len(streams),
+        stats = dict(self._stats)
+        oldest = stats.pop("oldest_arrival_time", None)
+        return {**stats, "num_requests_pending": self.num_pending,
                 "oldest_request_age_seconds": 0.0 if oldest is None else time.monotonic() - oldest}
+
+    def _snapshot(self) -> None:
+        """Engine thread: publish the stats for the event loop (one atomic assignment)."""
+        oldest = min((s.arrival_time for s in self._streams.values()), default=None)
+        self._stats = {**self.engine.stats(), "num_requests_in_flight": len(self._streams),
+                       "oldest_arrival_time": oldest}
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -266,7 +277,7 @@ class AsyncEngine:
         # an engine spread over several processes keeps their collectives alive while idle
         idle_tick = getattr(self.engine, "idle_tick", None)
         try:
-            self._stats = dict(self.engine.stats())
+            self._snapshot()
             self._ready.set()
             while True:
                 tick = False
@@ -280,8 +291,13 @@ class AsyncEngine:
                 if tick and not commands and not stop and not self.engine.has_unfinished_requests():
                     idle_tick()
                     continue
-                for command in commands:
-                    self._handle(command)
+                for i, command in enumerate(commands):
+                    try:
+                        self._handle(command)
+                    except BaseException:  # fatal: what is left of the batch must fail with the rest
+                        with self._cond:
+                            self._commands.extendleft(reversed(commands[i:]))
+                        raise
                 if stop:
                     self._abort_all(ShuttingDownError("the server shut down"))
                     return
@@ -291,7 +307,7 @@ class AsyncEngine:
                     outputs = self.engine.step()  # raising is fatal: see the module docstring
                     stalled = not outputs and self.engine.num_steps == steps  # nothing could run
                 # the snapshot first: a client never sees tokens that /metrics does not count yet
-                self._stats = dict(self.engine.stats())
+                self._snapshot()
                 self._dispatch(outputs)
         except BaseException as exc:
             logger.exception("the engine failed; it stops and every request in flight fails "
@@ -306,11 +322,11 @@ class AsyncEngine:
             commands = list(self._commands)
             self._commands.clear()
         self._ready.set()
-        dead = EngineDeadError("the engine failed while running this request (see the server log)")
+        message = "the engine failed while running this request (see the server log)"
         for command in commands:
             if command[0] == "add":
-                _resolve(command[1].loop, command[-1], dead)
-        self._abort_all(dead, call_engine=False)
+                _resolve(command[1].loop, command[-1], EngineDeadError(message))
+        self._abort_all(EngineDeadError(message), call_engine=False)
         for callback in self.on_dead:
             try:
                 callback()
@@ -358,7 +374,8 @@ class AsyncEngine:
                     self.engine.abort_request(rid)
                 except Exception:  # pragma: no cover
                     logger.exception("abort_request(%s) failed", rid)
-            self._post(stream, error if error is not None else _aborted(rid))
+            # a fresh exception per stream: each is raised in its own task
+            self._post(stream, type(error)(*error.args) if error is not None else _aborted(rid))
         self._streams.clear()
 
 

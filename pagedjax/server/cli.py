@@ -32,9 +32,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     g.add_argument("--max-pending-requests", type=int, default=1024,
                    help="sequences (prompts x n) waiting for their first token before new requests get 429")
-    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+    g.add_argument("--max-request-bytes", type=_positive(int), default=4 * 1024 * 1024,
                    help="largest request body accepted, in bytes (default 4 MiB; larger ones get 413)")
-    g.add_argument("--stream-send-timeout", type=float, default=30.0,
+    g.add_argument("--stream-send-timeout", type=_positive(float), default=30.0,
                    help="seconds a streaming client may take no data before its request is aborted")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
@@ -42,6 +42,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
     return parser
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
 
 
 class _Server(uvicorn.Server):

@@ -6,7 +6,6 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from pagedjax.outputs import CompletionOutput
 from pagedjax.server.async_engine import EngineDeadError, ShuttingDownError
@@ -14,7 +13,8 @@ from pagedjax.server.errors import APIError, bad_request
 from pagedjax.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                                       ChatTokenLogprob, DeltaMessage, TopLogprob)
-from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_dumps,
+from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_bytes,
+                                            json_dumps, json_response,
                                             merge_streams, sse, top_logprobs)
 
 
@@ -38,20 +38,21 @@ class ChatServing(ServingBase):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, self.resolve_max_tokens(requested, None, len(ids), param, "messages"), k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, [ids], [params], req.cache_salt)
+        streams = await self.submit(request_id, [ids], [params], req.cache_salt, request)
         n = req.n or 1
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.event_stream(self.stream(request_id, ids, streams, n, k, include_usage), streams)
         finals = await self.collect(request, streams)
-        return JSONResponse(await self.run_cpu(self.response_body, request_id, ids, streams, finals[0], n, k))
+        # built and serialized on the worker thread: a big logprobs answer never stalls the loop
+        return json_response(await self.run_cpu(self.response_body, request_id, ids, streams, finals[0], n, k))
 
-    def response_body(self, request_id: str, ids: list[int], streams, final, n: int, k: int | None) -> dict:
+    def response_body(self, request_id: str, ids: list[int], streams, final, n: int, k: int | None) -> bytes:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self.logprobs(c, k), finish_reason=c.finish_reason or "abort")
                    for c in completions_by_index(final, n)]
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                      usage=self.usage([ids], streams)).model_dump()
+        return json_bytes(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                                 usage=self.usage([ids], streams)).model_dump())
 
     def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         """Render the chat template (with the generation prompt) and tokenize it."""

@@ -17,7 +17,7 @@ from functools import lru_cache, partial
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
@@ -126,13 +126,15 @@ class ServingBase:
     # ---- running --------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                     cache_salt: str | None = None) -> list[RequestStream]:
+                     cache_salt: str | None = None, request: Request | None = None) -> list[RequestStream]:
         """Add one engine request per prompt; on any failure abort the ones already added."""
         limit = self.engine.max_pending_requests
         num_seqs = sum(p.n for p in params)
         if num_seqs > limit:
             raise bad_request(f"this request asks for {num_seqs} sequences (prompts x n), more than the "
                               f"{limit} this server queues at once; split it")
+        if request is not None and await request.is_disconnected():
+            raise ClientDisconnected()  # it waited for the worker thread and left: do not start it
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -195,6 +197,34 @@ class _SlowClient(Exception):
     pass
 
 
+def _timeout(seconds: float):
+    """asyncio.timeout (3.11+: no task per call), else a wait_for-like fallback."""
+    if hasattr(asyncio, "timeout"):
+        return asyncio.timeout(seconds)
+    return _CallLaterTimeout(seconds)
+
+
+class _CallLaterTimeout:
+    """Python 3.10: cancel the current task after `seconds` and turn that into TimeoutError."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.fired = seconds, False
+
+    async def __aenter__(self):
+        task = asyncio.current_task()
+        self.handle = asyncio.get_running_loop().call_later(self.seconds, self._fire, task)
+
+    def _fire(self, task) -> None:
+        self.fired = True
+        task.cancel()
+
+    async def __aexit__(self, kind, exc, tb):
+        self.handle.cancel()
+        if self.fired and kind is asyncio.CancelledError:
+            raise asyncio.TimeoutError
+        return False
+
+
 class SSEResponse(StreamingResponse):
     """A text/event-stream response whose client must take each chunk within `send_timeout`
     seconds: one that keeps its connection open but stops reading has its requests aborted
@@ -208,7 +238,8 @@ class SSEResponse(StreamingResponse):
     async def stream_response(self, send) -> None:
         async def timed_send(message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.send_timeout)
+                async with _timeout(self.send_timeout):
+                    await send(message)
             except asyncio.TimeoutError:
                 raise _SlowClient() from None
 
@@ -241,33 +272,26 @@ def completions_by_index(out: RequestOutput, n: int) -> list[CompletionOutput]:
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as (stream index, output) until all finish."""
+    """Interleave several request streams as (stream index, output) until all finish. A
+    stream is read only when the consumer takes the previous item, so what a slow consumer
+    has not taken stays merged in each stream's one pending update."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
+    reading = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
+        while reading:
+            done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=reading.get):
+                i = reading.pop(task)
+                out = task.result()  # a stream's error ends the merge
+                if not out.finished:
+                    reading[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
     finally:
-        for t in tasks:
-            t.cancel()
+        for task in reading:
+            task.cancel()
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -280,6 +304,15 @@ async def wait_for_disconnect(request: Request) -> None:
 
 def json_dumps(body: dict) -> str:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+
+def json_response(body: bytes) -> Response:
+    """A JSON response from a body already serialized (call json_bytes on the worker thread)."""
+    return Response(body, media_type="application/json")
+
+
+def json_bytes(body: dict) -> bytes:
+    return json_dumps(body).encode()
 
 
 def sse(payload: str) -> str:

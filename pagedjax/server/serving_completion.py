@@ -6,14 +6,14 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from pagedjax.outputs import CompletionOutput
 from pagedjax.server.async_engine import EngineDeadError, ShuttingDownError
 from pagedjax.server.errors import APIError, bad_request
 from pagedjax.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse)
-from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_dumps,
+from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_bytes,
+                                            json_dumps, json_response,
                                             merge_streams, sse, top_logprobs)
 
 MAX_PROMPTS = 1024  # prompts per request
@@ -36,22 +36,23 @@ class CompletionServing(ServingBase):
             req, self.resolve_max_tokens(req.max_tokens if explicit else None, None if explicit else 16,
                                          len(ids), "max_tokens", "prompt"), req.logprobs) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, prompts, params, req.cache_salt)
+        streams = await self.submit(request_id, prompts, params, req.cache_salt, request)
         n = req.n or 1
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.event_stream(self.stream(request_id, prompts, streams, n, req.logprobs, include_usage),
                                      streams)
         finals = await self.collect(request, streams)
-        body = await self.run_cpu(self.response_body, request_id, prompts, streams, finals, n, req.logprobs)
-        return JSONResponse(body)
+        # built and serialized on the worker thread: a big logprobs answer never stalls the loop
+        return json_response(await self.run_cpu(self.response_body, request_id, prompts, streams, finals, n,
+                                                req.logprobs))
 
-    def response_body(self, request_id: str, prompts, streams, finals, n: int, k: int | None) -> dict:
+    def response_body(self, request_id: str, prompts, streams, finals, n: int, k: int | None) -> bytes:
         choices = [CompletionChoice(index=p * n + c.index, text=c.text, finish_reason=c.finish_reason or "abort",
                                     logprobs=self.logprobs(c, k, 0)[0])
                    for p, out in enumerate(finals) for c in completions_by_index(out, n)]
-        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                  usage=self.usage(prompts, streams)).model_dump()
+        return json_bytes(CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                             usage=self.usage(prompts, streams)).model_dump())
 
     def prompt_ids(self, prompt) -> list[list[int]]:
         """Token ids of each prompt (a string, strings, token ids or lists of token ids)."""

@@ -118,6 +118,30 @@ def test_unread_stream_holds_one_merged_update():
     assert [len(c.logprobs) for c in outs[0].outputs] == [200] * 4
 
 
+def test_unread_multi_prompt_streams_stay_merged():
+    from pagedjax.server.serving_common import merge_streams
+
+    async def run():
+        ae = AsyncEngine(FakeEngine(step_delay=0.0005))
+        ae.start()
+        streams = [await ae.add_request(f"p{i}", [W0], SamplingParams(max_tokens=100, ignore_eos=True))
+                   for i in range(3)]
+        merged = merge_streams(streams)
+        first = await merged.__anext__()  # the consumer takes one item, then stalls
+        while any(s.finish_time is None for s in streams):
+            await asyncio.sleep(0.01)
+        rest = [item async for item in merged]
+        await ae.shutdown()
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert len(rest) <= 2 * 3  # per stream: the item read ahead and one merged update, not one per step
+    tokens = {0: 0, 1: 0, 2: 0}
+    for i, out in [first, *rest]:
+        tokens[i] += len(out.outputs[0].token_ids)
+    assert tokens == {0: 100, 1: 100, 2: 100}
+
+
 def test_stalled_reader_is_aborted_after_send_timeout():
     engine = FakeEngine(step_delay=0.01, max_model_len=4096, num_blocks=100_000)
     with running_server(engine, send_timeout=0.5) as s:
