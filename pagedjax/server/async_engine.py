@@ -190,7 +190,8 @@ class AsyncEngine:
 
     def _snapshot(self) -> None:
         """Engine thread: publish the stats for the event loop (one atomic assignment)."""
-        oldest = min((s.arrival_time for s in self._streams.values()), default=None)
+        # streams are added in arrival order (commands run FIFO): the first one is the oldest
+        oldest = next(iter(self._streams.values())).arrival_time if self._streams else None
         self._stats = {**self.engine.stats(), "num_requests_in_flight": len(self._streams),
                        "oldest_arrival_time": oldest}
 

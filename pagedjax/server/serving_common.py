@@ -197,32 +197,14 @@ class _SlowClient(Exception):
     pass
 
 
-def _timeout(seconds: float):
-    """asyncio.timeout (3.11+: no task per call), else a wait_for-like fallback."""
+async def _send_within(send, message, seconds: float) -> None:
+    """await send(message), TimeoutError after `seconds` (asyncio.timeout where there is one,
+    3.11+: no task per send)."""
     if hasattr(asyncio, "timeout"):
-        return asyncio.timeout(seconds)
-    return _CallLaterTimeout(seconds)
-
-
-class _CallLaterTimeout:
-    """Python 3.10: cancel the current task after `seconds` and turn that into TimeoutError."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.fired = seconds, False
-
-    async def __aenter__(self):
-        task = asyncio.current_task()
-        self.handle = asyncio.get_running_loop().call_later(self.seconds, self._fire, task)
-
-    def _fire(self, task) -> None:
-        self.fired = True
-        task.cancel()
-
-    async def __aexit__(self, kind, exc, tb):
-        self.handle.cancel()
-        if self.fired and kind is asyncio.CancelledError:
-            raise asyncio.TimeoutError
-        return False
+        async with asyncio.timeout(seconds):
+            await send(message)
+    else:  # pragma: no cover - Python 3.10
+        await asyncio.wait_for(send(message), seconds)
 
 
 class SSEResponse(StreamingResponse):
@@ -238,8 +220,7 @@ class SSEResponse(StreamingResponse):
     async def stream_response(self, send) -> None:
         async def timed_send(message) -> None:
             try:
-                async with _timeout(self.send_timeout):
-                    await send(message)
+                await _send_within(send, message, self.send_timeout)
             except asyncio.TimeoutError:
                 raise _SlowClient() from None
 
