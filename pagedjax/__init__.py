@@ -1,7 +1,7 @@
 """pagedjax: a JAX/Pallas LLM inference engine with a paged KV cache."""
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):  # import the engine (and JAX) only when asked for
@@ -17,4 +17,4 @@ def __getattr__(name):  # import the engine (and JAX) only when asked for
 
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
-           "BeamSearchOutput"]
+           "BeamSearchOutput", "StructuredOutputsParams"]

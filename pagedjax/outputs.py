@@ -27,3 +27,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first, else
+    # {token_id: logprob} holding the prompt's own token and the top k (on the final output,
+    # or the first output that carries it with output_deltas)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
