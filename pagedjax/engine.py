@@ -4,6 +4,7 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -12,7 +13,7 @@ from flax import nnx
 
 from models.kv_cache import DenseKVCache, PagedKVCache
 from models.loader import load_model
-from pagedjax import compile_counter
+from pagedjax import compile_counter, prompt_logprobs
 from pagedjax.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from pagedjax.block_pool import BlockPool
 from pagedjax.buckets import Buckets
@@ -27,6 +28,7 @@ from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
+from pagedjax.token_mask import TokenMask
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +41,7 @@ class _Sequence:
     text: str = ""
     sent_tokens: int = 0  # output_deltas: tokens (and logprobs) already returned
     sent_chars: int = 0  # output_deltas: characters of text already returned
+    mask: TokenMask | None = None  # constraints on the next token (grammar, allowed/bad words, min_tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +53,8 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # params.prompt_logprobs: one per prompt token
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -112,6 +117,20 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_prompt_tokens = 0
+        self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammar_compiler(self):
+        """The structured-output GrammarCompiler (built at first use; None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from pagedjax.structured_output import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -126,7 +145,11 @@ class LLMEngine:
         if self.tokenizer is None and params.stop_strings:
             raise ValueError(f"{self.model_name} has no tokenizer: stop strings cannot be matched")
         text, ids = self._tokenize(prompt)
+        self._check_token_ids(params)
+        masks = [self._token_mask(params) for _ in range(params.n)] if params.uses_token_mask else [None] * params.n
         group = _Group(request_id, text, ids, params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
         reqs = []
         for i in range(params.n):
@@ -140,11 +163,54 @@ class LLMEngine:
         for i, req in enumerate(reqs):
             req.dp_rank = rank
             incremental = self.tokenizer is not None and (self.stream_text or bool(params.stop_strings))
-            seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None)
+            seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None, mask=masks[i])
             group.seqs.append(seq)
             self._seq_of[req.request_id] = seq
             self._group_of[req.request_id] = group
         self._groups[request_id] = group
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.runner.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    def _token_mask(self, params: SamplingParams) -> TokenMask:
+        """One sequence's TokenMask (a fresh grammar matcher with structured outputs)."""
+        matcher = None
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError(f"{self.model_name} has no tokenizer: structured outputs need one")
+            matcher = self.grammar_compiler.matcher(params.structured_outputs)
+        stop_ids = () if params.ignore_eos else self.eos_token_ids
+        return TokenMask(params, self.runner.vocab_size, stop_ids, self.tokenizer, matcher)
+
+    def _fill_masks(self, outs, bitmask, rows: int) -> None:
+        """Writes the token masks of the constrained sequences of the step (runner callback,
+        called while the device runs the forward pass); rank r's request i is row r * rows + i."""
+        for rank, out in enumerate(outs):
+            if out is None:
+                continue
+            for i, (req, start, q) in enumerate(zip(out.requests, out.starts, out.q_lens)):
+                seq = self._seq_of.get(req.request_id)
+                if seq is not None and seq.mask is not None and start + q >= req.num_tokens:
+                    seq.mask.fill(bitmask[rank * rows + i], req.output_token_ids)
+
+    def _collect_prompt_logprobs(self, outs, plp) -> None:
+        """Stores the prompt logprobs the step computed for the requests that asked."""
+        t = len(plp.logprobs) // len(outs)
+        for rank, out in enumerate(outs):
+            if out is None:
+                continue
+            off = rank * t
+            for req, start, q in zip(out.requests, out.starts, out.q_lens):
+                group = self._group_of.get(req.request_id)
+                if group is not None and group.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                    for pos, entry in prompt_logprobs.entries(plp, off, range(start, start + q), req.prompt_token_ids,
+                                                              req.params.prompt_logprobs):
+                        group.prompt_logprobs[pos] = entry
+                off += q
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), with clear errors for what cannot run."""
@@ -187,7 +253,9 @@ class LLMEngine:
             outs.append(sched.schedule())
         if all(out is None for out in outs):
             return []
-        result = self.runner.execute(outs)
+        result = self.runner.execute(outs, fill_masks=lambda bitmask, rows: self._fill_masks(outs, bitmask, rows))
+        if result.prompt is not None:
+            self._collect_prompt_logprobs(outs, result.prompt)
         self.num_steps += 1
         produced = []
         rows = len(result.tokens) // len(outs)  # sampler rows per data rank (S of the step)
@@ -202,6 +270,9 @@ class LLMEngine:
         beams_touched: dict[int, BeamGroup] = {}
         now = time.monotonic()
         for req, row, token in produced:
+            if token is None:  # max_tokens=0: the prompt is scored, nothing generated
+                touched[req.request_id] = self._group_of[req.request_id]
+                continue
             if req.params.logprobs is not None:
                 k = req.params.logprobs
                 entry = {int(t): float(lp) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])}
@@ -215,6 +286,8 @@ class LLMEngine:
             self.num_generated_tokens += 1
             self.schedulers[req.dp_rank].check_stop(req, token)
             seq = self._seq_of[req.request_id]
+            if seq.mask is not None:
+                self._advance_mask(seq, token)
             if seq.detok is not None:
                 self._append_text(seq, token)
             touched[req.request_id] = self._group_of[req.request_id]
@@ -244,6 +317,16 @@ class LLMEngine:
         rank = self.router.route(group.root)
         self.schedulers[rank].add(group.root)
         self._beam_groups[request_id] = group
+
+    def _advance_mask(self, seq: _Sequence, token: int) -> None:
+        """Feeds the sampled token to the sequence's grammar; a finished grammar stops it."""
+        accepted = seq.mask.accept(token)
+        if seq.req.is_finished:
+            return
+        if not accepted:  # cannot happen with the mask applied; never emit past a broken grammar
+            self.schedulers[seq.req.dp_rank].finish(seq.req, "stop")
+        elif seq.mask.terminated:
+            self.schedulers[seq.req.dp_rank].finish(seq.req, "stop")
 
     def _append_text(self, seq: _Sequence, token: int) -> None:
         """Adds the token's text; a stop string ends the sequence and is cut from the text."""
@@ -291,8 +374,12 @@ class LLMEngine:
                 tokens, logprobs = list(tokens), list(logprobs)
             outs.append(CompletionOutput(s.index, text, tokens, req.finish_reason,
                                          logprobs if want_logprobs else None, req.stop_reason))
+        prompt_lps = None
+        if g.prompt_logprobs is not None and not (self.output_deltas and g.prompt_logprobs_sent) \
+                and (g.finished or g.seqs[0].req.num_computed_tokens >= len(g.prompt_token_ids)):
+            prompt_lps, g.prompt_logprobs_sent = list(g.prompt_logprobs), True
         return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, g.finished,
-                             g.seqs[0].req.num_cached_tokens)
+                             g.seqs[0].req.num_cached_tokens, prompt_lps)
 
     def _forget(self, seq: _Sequence) -> None:
         self._seq_of.pop(seq.req.request_id, None)

@@ -2,7 +2,9 @@
 
 A step is a packed token axis (see buckets.py): ModelRunner.prepare lays the scheduled
 requests' tokens end to end in numpy, padded to the step's bucket, and the step runs the
-compiled executable of that bucket. Executables are compiled ahead of time per bucket
+compiled executables of that bucket: the forward pass (model, KV writes, the logits of
+each sequence's last token), then the sampler. Between the two the host fills the token
+masks of constrained sequences (grammars) while the device computes the forward pass. Executables are compiled ahead of time per bucket
 (`compile_bucket`), in the foreground or by a background thread (`start_background_warmup`);
 `ready_tokens` tells the scheduler the largest step it may build without compiling.
 """
@@ -25,7 +27,10 @@ from models.sharding import DATA_AXIS, MODEL_AXIS
 from pagedjax.buckets import Buckets
 from pagedjax.distributed import to_host
 from pagedjax.parallel import make_mesh, replicated
-from pagedjax.sampler import SamplingInputs, sample
+from pagedjax import penalties, prompt_logprobs
+from pagedjax.penalties import PenaltySlots, init_penalty_state
+from pagedjax.sampler import SamplingInputs, sample_step
+from pagedjax.token_mask import bitmask_words
 from pagedjax.scheduler import SchedulerOutput
 
 
@@ -47,6 +52,7 @@ class StepInputs:
     tokens: jax.Array  # [T] int32
     md: AttentionMetadata
     logits_indices: jax.Array  # [dp * S] int32: each sequence's last token within its rank's T (sampled)
+    prompt_next: jax.Array  # [T] int32: the prompt token after each position, -1: no prompt logprobs asked
 
 
 class ModelRunner:
@@ -74,15 +80,24 @@ class ModelRunner:
                                 data_parallel=self.dp)
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                    (self.state, self.kv))
+        # logit processors: penalty slots (per rank) and the all-allowed token mask per S
+        self.vocab_size = _logits_width(model, cfg)
+        self.penalty_slots = [PenaltySlots(buckets.max_num_seqs) for _ in range(self.dp)]
+        self.penalties = init_penalty_state(self.dp * buckets.max_num_seqs, self.vocab_size, self._rows_by_rank)
+        self._pending_loads: list[tuple] = []  # load_slot calls to run before the next sampler
+        self._all_allowed: dict[int, jax.Array] = {}  # S -> [dp * S, W] int32 of ones, on device
         self._step = jax.jit(self._forward, donate_argnums=(1,))
-        self._executables: dict[int, object] = {}  # T bucket -> compiled step
+        self._sample = jax.jit(self._sample_fn, donate_argnums=(3,))
+        self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
+        self._samplers: dict[int, object] = {}  # S -> compiled sampler
         self._compile_lock = threading.Lock()
         self._warmup_thread: threading.Thread | None = None
         self._stop_warmup = threading.Event()
         self.warmup_error: BaseException | None = None
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
 
-    def _forward(self, state, kv, inputs: StepInputs, sampling: SamplingInputs, copies):
+    def _forward(self, state, kv, inputs: StepInputs, copies):
+        """-> (kv, logits [dp * S, V] of each sequence's last token, PromptLogprobs [dp * T])."""
         kv = copy_blocks_sharded(kv, self.num_layers, *copies, self.mesh)  # copy-on-write before any write
         model = nnx.merge(self.graphdef, state)
         hidden, kv = model(inputs.tokens, inputs.md, kv, self.cache)  # [dp * T, E]
@@ -93,7 +108,11 @@ class ModelRunner:
         # vocabulary-split logits are gathered over "model" on device (not to the host), so
         # sampling sees exactly what one device sees
         logits = jax.lax.with_sharding_constraint(model.logits(rows), self._rows_by_rank)
-        return kv, sample(logits, sampling)
+        return kv, logits, prompt_logprobs.compute(model.logits, hidden, inputs.prompt_next, self.dp)
+
+    def _sample_fn(self, logits, sampling: SamplingInputs, bitmask, pstate):
+        """-> (penalty state with the kept tokens counted, SamplerOutput)."""
+        return sample_step(logits, sampling, bitmask, pstate, self.dp)
 
     # -- compiled shapes ------------------------------------------------------------------
     @property
@@ -102,18 +121,41 @@ class ModelRunner:
         return sorted(self._executables)
 
     def compile_bucket(self, t: int):
-        """The executable of the step of T = t tokens, compiled now if it is not yet."""
+        """The forward executable of the step of T = t tokens, compiled now (with the
+        sampler of its S) if it is not yet."""
         exe = self._executables.get(t)
         if exe is not None:
             return exe
         with self._compile_lock:
             if t not in self._executables:
                 inputs, sampling, copies = self._idle_inputs(t)
-                specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                                    sharding=self._by_rank),
-                                     (inputs, sampling, copies))
-                self._executables[t] = self._step.lower(*self._specs, *specs).compile()
+                spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._by_rank)
+                specs = jax.tree.map(spec, (inputs, copies))
+                lowered = self._step.lower(*self._specs, *specs)
+                s = self.buckets.num_seqs(t)
+                if s not in self._samplers:
+                    logits = jax.ShapeDtypeStruct((self.dp * s, self.vocab_size), jnp.float32,
+                                                  sharding=self._rows_by_rank)
+                    pspec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                         self.penalties)
+                    self._samplers[s] = self._sample.lower(logits, jax.tree.map(spec, sampling),
+                                                           spec(self._bitmask_ones(s, host=True)), pspec).compile()
+                self._executables[t] = lowered.compile()
             return self._executables[t]
+
+    def _bitmask_ones(self, s: int, host: bool = False):
+        """The all-allowed token mask [dp * S, W] (numpy, or kept on the device)."""
+        ones = np.full((self.dp * s, bitmask_words(self.vocab_size)), -1, np.int32)
+        if host:
+            return ones
+        if s not in self._all_allowed:
+            self._all_allowed[s] = jax.device_put(ones, self._rows_by_rank)
+        return self._all_allowed[s]
+
+    def _compile_load_slot(self) -> None:
+        """Compiles load_slot by running it once as a no-op (slot 0, nothing added, no reset)."""
+        (slot, ids, is_prompt, _, bias_ids, bias_vals), = penalties.load_slot_args(0, [], 0, None)
+        self.penalties = penalties.load_slot(self.penalties, slot, ids, is_prompt, np.bool_(False), bias_ids, bias_vals)
 
     def ready_tokens(self) -> int | None:
         """While a background warm-up runs: the largest T such that every bucket up to it
@@ -131,6 +173,7 @@ class ModelRunner:
         """Compiles every bucket now, smallest first."""
         from tqdm import tqdm
 
+        self._compile_load_slot()
         for t in tqdm(self.buckets.token_buckets(), desc="compiling step buckets", disable=not progress, unit="shape"):
             self.compile_bucket(t)
 
@@ -138,6 +181,7 @@ class ModelRunner:
         """Compiles the `first` smallest buckets now and the rest on a background thread, so
         serving starts at once; the scheduler keeps each step within `ready_tokens()`."""
         ladder = self.buckets.token_buckets()
+        self._compile_load_slot()
         for t in ladder[:first]:
             self.compile_bucket(t)
 
@@ -191,6 +235,7 @@ class ModelRunner:
         tables = np.zeros((dp * s, self.max_blocks_per_seq), np.int32)
         kv_lens, cu = np.zeros(dp * s, np.int32), np.zeros(dp * (s + 1), np.int32)
         logits_indices = np.zeros(dp * s, np.int32)
+        prompt_next = np.full(dp * t, -1, np.int32)
         sampling = _SamplingArrays(dp * s)
         src, dst = np.zeros(dp * s, np.int32), np.full(dp * s, self.cache.num_blocks, np.int32)
         for rank, out in enumerate(outs):
@@ -214,32 +259,60 @@ class ModelRunner:
                     slots[t0 + off:t0 + off + ql] = np.where(pos >= req.num_shared_kv_tokens,
                                                              tables[row, pos // bs] * bs + pos % bs, -1)
                 off += ql
+                if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                    prompt_next[t0 + off - ql:t0 + off] = prompt_logprobs.next_tokens(req.prompt_token_ids, start, ql)
                 kv_lens[row], cu[c0 + i + 1] = start + ql, off
                 logits_indices[row] = off - 1  # the sequence's last token, among its rank's tokens
-                sampling.fill(row, req)
+                sampling.fill(row, req, produces=start + ql >= req.num_tokens,
+                              slot=self._penalty_slot(rank, req) if req.params.uses_penalties else -1)
             cu[c0 + len(out.requests) + 1:c0 + s + 1] = off
             if out.copies:
                 src[s0:s0 + len(out.copies)], dst[s0:s0 + len(out.copies)] = zip(*out.copies)
         md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
-        return t, StepInputs(tokens, md, logits_indices), sampling.inputs(), (src, dst)
+        return t, StepInputs(tokens, md, logits_indices, prompt_next), sampling.inputs(), (src, dst)
+
+    def _penalty_slot(self, rank: int, req) -> int:
+        """The request's penalty slot on its rank; a new one is loaded before the sampler runs."""
+        slot, load = self.penalty_slots[rank].get(req)
+        if load:
+            local_slot = rank * self.buckets.max_num_seqs + slot
+            self._pending_loads += penalties.load_slot_args(local_slot, req.all_token_ids, req.num_prompt_tokens,
+                                                            req.params.logit_bias)
+        return slot
 
     def _idle_inputs(self, t: int):
         """Inputs of a step of t tokens (per data rank) that computes nothing anyone reads
         (compiling, tests)."""
         return self.prepare([None] * self.dp, t)[1:]
 
-    def execute(self, outs: list[SchedulerOutput | None]):
+    def execute(self, outs: list[SchedulerOutput | None], fill_masks=None):
         """Runs one step (one SchedulerOutput per data rank); returns the sampler output
-        (numpy), rank r's request i in row r * S + i. Only the token ids come back
-        to the host, plus log-probabilities when a request wants them."""
+        (numpy), rank r's request i in row r * S + i, with `.prompt` the PromptLogprobs of
+        the step's tokens when some request asked for them (else None). Only the token ids
+        come back to the host, plus log-probabilities when a request wants them.
+
+        fill_masks(bitmask [dp * S, W] int32 all ones, S): writes the token masks of the
+        constrained rows; called while the device runs the forward pass."""
         t, inputs, sampling, copies = self.prepare(outs)
         step = self.compile_bucket(t)
-        self.kv, result = step(self.state, self.kv, inputs, sampling, copies)  # dispatched, runs async
+        s = self.buckets.num_seqs(t)
+        self.kv, logits, plp = step(self.state, self.kv, inputs, copies)  # dispatched, runs async
+        for args in self._pending_loads:
+            self.penalties = penalties.load_slot(self.penalties, *args)
+        self._pending_loads = []
+        bitmask = self._bitmask_ones(s)
+        if fill_masks is not None and sampling.constrained.any():
+            host = self._bitmask_ones(s, host=True)
+            fill_masks(host, s)
+            bitmask = host
+        self.penalties, result = self._samplers[s](logits, sampling, bitmask, self.penalties)
         wait = time.perf_counter()
         if sampling.want_logprobs.any():
-            result = jax.tree.map(to_host, result)
+            result = _Result(**{k: to_host(v) for k, v in vars(result).items()})
         else:
-            result = _TokensOnly(to_host(result.tokens))
+            result = _Result(to_host(result.tokens))
+        if (inputs.prompt_next >= 0).any():
+            result.prompt = jax.tree.map(to_host, plp)
         self.last_wait_s = time.perf_counter() - wait  # host blocked on the device
         return result
 
@@ -249,9 +322,20 @@ def _placed_on(x, mesh: Mesh) -> bool:
     return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
 
 
-@dataclass(frozen=True)
-class _TokensOnly:
+@dataclass
+class _Result:
+    """A step's sampler output on the host (logprobs only when a row asked for them)."""
+
     tokens: np.ndarray  # [S]
+    logprobs: np.ndarray | None = None  # [S]
+    top_ids: np.ndarray | None = None  # [S, K]
+    top_logprobs: np.ndarray | None = None  # [S, K]
+    prompt: object = None  # PromptLogprobs (numpy) of the step's tokens, when asked
+
+
+def _logits_width(model, cfg) -> int:
+    head = model.embed if model.lm_head is None else model.lm_head
+    return int(head[...].shape[0])
 
 
 class _SamplingArrays:
@@ -261,13 +345,23 @@ class _SamplingArrays:
         self.temperature, self.top_p, self.min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
         self.top_k, self.step, self.seed = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.uint32)
         self.want_logprobs = np.zeros(n, bool)
+        self.penalty_slot = np.full(n, -1, np.int32)
+        self.repetition, self.frequency, self.presence = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+        self.produces, self.constrained = np.zeros(n, bool), np.zeros(n, bool)
 
-    def fill(self, row: int, req) -> None:
+    def fill(self, row: int, req, produces: bool = True, slot: int = -1) -> None:
         p = req.params
         self.temperature[row], self.top_p[row], self.min_p[row], self.top_k[row] = p.temperature, p.top_p, p.min_p, p.top_k
         self.seed[row], self.step[row] = req.seed & 0xFFFFFFFF, len(req.output_token_ids)
         self.want_logprobs[row] = p.logprobs is not None
+        self.produces[row] = produces
+        if slot >= 0:
+            self.penalty_slot[row] = slot
+            self.repetition[row], self.frequency[row], self.presence[row] = (p.repetition_penalty, p.frequency_penalty,
+                                                                             p.presence_penalty)
+        self.constrained[row] = produces and p.uses_token_mask
 
     def inputs(self) -> SamplingInputs:
         return SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step,
-                              self.want_logprobs)
+                              self.want_logprobs, self.penalty_slot, self.repetition, self.frequency, self.presence,
+                              self.produces, self.constrained)

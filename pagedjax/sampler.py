@@ -1,8 +1,9 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""On-device sampling: logit processors (bias, penalties, token masks), then greedy,
+temperature, top-k, top-p, min-p, with per-request seeds.
 
 A request's key is fold_in(key(seed), step index), so its samples do not depend on which
 other requests share the batch. Log-probabilities are the raw model ones (log_softmax of
-the logits before temperature and filtering).
+the logits before bias, penalties, masks, temperature and filtering).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pagedjax.penalties import PenaltyState, apply_penalties, count_sampled
 from pagedjax.sampling_params import MAX_LOGPROBS
 
 
@@ -26,6 +28,13 @@ class SamplingInputs:
     seed: jax.Array  # uint32
     step: jax.Array  # int32, index of the token being sampled within its request
     want_logprobs: jax.Array  # bool, the request asked for log-probabilities
+    # logit processors (None: off for every row)
+    penalty_slot: jax.Array | None = None  # int32, the row's PenaltyState slot (rank-local), -1: none
+    repetition: jax.Array | None = None  # float32, 1 = off
+    frequency: jax.Array | None = None  # float32
+    presence: jax.Array | None = None  # float32
+    produces: jax.Array | None = None  # bool, the sampled token is kept (the row computed all it had to)
+    constrained: jax.Array | None = None  # bool, the row's bitmask is not all ones
 
 
 @jax.tree_util.register_dataclass
@@ -53,12 +62,41 @@ def _filtered_logits(logits, p: SamplingInputs):
     return jnp.where(x >= threshold[:, None], x, -jnp.inf)
 
 
-def sample(logits, p: SamplingInputs) -> SamplerOutput:
-    """logits [S, V] float32 -> sampled tokens and log-probabilities."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def apply_bitmask(logits, bitmask, constrained):
+    """logits [S, V]; bitmask [S, W] int32 (bit j of word i allows token 32 i + j) -> logits
+    with disallowed tokens at -inf, for `constrained` [S] rows."""
+    v = logits.shape[-1]
+    ids = jnp.arange(v, dtype=jnp.int32)
+    words = bitmask[:, ids >> 5]  # [S, V]
+    allowed = (jax.lax.shift_right_logical(words, jnp.broadcast_to(ids & 31, words.shape)) & 1).astype(bool)
+    return jnp.where(allowed | ~constrained[:, None], logits, -jnp.inf)
+
+
+def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int = 1):
+    """One step's sampling with every logit processor: logits [S, V] float32, bitmask
+    [S, W] -> (state with the kept tokens counted, SamplerOutput). Each processor runs only
+    when some row of the step uses it."""
+    penalized = jnp.any(p.penalty_slot >= 0)
+    x = jax.lax.cond(penalized,
+                     lambda: apply_penalties(logits, state, p.penalty_slot, p.repetition, p.frequency,
+                                             p.presence, dp),
+                     lambda: logits)
+    x = jax.lax.cond(jnp.any(p.constrained), lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
+    out = sample(logits, p, processed=x)
+    state = jax.lax.cond(penalized, lambda: count_sampled(state, p.penalty_slot, out.tokens, p.produces, dp),
+                         lambda: state)
+    return state, out
+
+
+def sample(logits, p: SamplingInputs, processed=None) -> SamplerOutput:
+    """logits [S, V] float32 -> sampled tokens and log-probabilities. processed: the logits
+    after bias, penalties and masks (default: logits), which tokens are drawn from;
+    log-probabilities always come from the raw logits."""
+    x0 = logits if processed is None else processed
+    greedy = jnp.argmax(x0, axis=-1).astype(jnp.int32)
 
     def draw():
-        x = _filtered_logits(logits, p)
+        x = _filtered_logits(x0, p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.step)
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
         return jnp.where(p.temperature > 0, drawn, greedy)

@@ -276,8 +276,8 @@ class Scheduler:
     def _match_prefix(self, req: Request) -> tuple[list[int], bytes | None]:
         """Cached blocks covering req's leading full blocks (at least one token left to
         compute), and the key of the full block after them (None: none left to look up)."""
-        if not self.pool.enable_prefix_caching:
-            return [], None
+        if not self.pool.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return [], None  # prompt logprobs need every prompt position computed
         hits, parent, bs = [], None, self.block_size
         all_ids = req.all_token_ids
         for i in range((req.num_tokens - 1) // bs):
@@ -325,7 +325,8 @@ class Scheduler:
     # -- after the step -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
         """Advances counters; returns (request, its index in out.requests, new token) for
-        requests that completed their pending tokens (partial prefill chunks produce none)."""
+        requests that completed their pending tokens (partial prefill chunks produce none;
+        a max_tokens=0 request finishes with token None)."""
         produced = []
         for i, (req, q, token) in enumerate(zip(out.requests, out.q_lens, sampled)):
             req.num_computed_tokens += q
@@ -333,6 +334,10 @@ class Scheduler:
             if req.num_computed_tokens < req.num_tokens:
                 continue
             self._release_inflight(req)  # nothing left to compute: its blocks are cached
+            if req.params.max_tokens == 0:  # scoring a prompt: nothing to generate
+                self.finish(req, "length")
+                produced.append((req, i, None))
+                continue
             if req.pending_forks:  # n > 1: the prompt is computed; siblings share its blocks
                 self._fork_siblings(req)
             req.output_token_ids.append(token)

@@ -46,3 +46,27 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
     return out[0, len(prompt_ids):].tolist()
+
+
+TOKENIZER_CORPUS = [
+    '{"name": "Alice", "age": 31, "tags": ["admin", "user"], "active": true, "score": -2.5e3}',
+    '[{"id": 1, "value": null}, {"id": 22, "value": false}]',
+    "The quick brown fox jumps over the lazy dog. Hello, world! 0123456789",
+    "def main():\n    return [x * 2 for x in range(10)]  # café naïve über",
+]
+
+
+def make_tokenizer(vocab_size: int = 384, bos: str = "<s>", eos: str = "</s>"):
+    """A byte-level BPE transformers tokenizer trained in memory (no download): ids 0 and 1 are
+    `bos` and `eos` (as COMMON says), then all 256 bytes, so every string is representable,
+    then merges up to `vocab_size` tokens at most."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[bos, eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)

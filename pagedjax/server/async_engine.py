@@ -1,7 +1,8 @@
 """AsyncEngine: drives a (thread-unsafe) LLMEngine from one background thread for asyncio.
 
 Only the engine thread ever touches the engine. asyncio code talks to it through a command
-queue (add, abort, abort-all) and gets results back through `loop.call_soon_threadsafe`.
+queue (add, add a beam search, abort, abort-all) and gets results back through
+`loop.call_soon_threadsafe`.
 The engine runs with `output_deltas`, so each step posts only what is new; a stream whose
 consumer has not taken its last update yet merges the new one into it, so a stream holds at
 most one pending update however slowly its client reads. The thread steps while the engine
@@ -25,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pagedjax.outputs import RequestOutput
+from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,8 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         old.finish_reason, old.stop_reason = o.finish_reason, o.stop_reason
     into.finished = into.finished or new.finished
     into.num_cached_tokens = new.num_cached_tokens
+    if into.prompt_logprobs is None:  # carried once, by the first output that has it
+        into.prompt_logprobs = new.prompt_logprobs
 
 
 class AsyncEngine:
@@ -143,6 +147,7 @@ class AsyncEngine:
         self._stop = False
         self._dead = False  # guarded by _cond: commands are refused from now on
         self._streams: dict[str, RequestStream] = {}  # engine-thread side
+        self._beam_searches: set[str] = set()  # the ids in _streams that are beam searches
         self._stats: dict = {}
         self._thread: threading.Thread | None = None
 
@@ -201,18 +206,30 @@ class AsyncEngine:
                           cache_salt: str | None = None) -> RequestStream:
         """Submit a request; returns its stream. Raises ValueError (bad request),
         QueueFullError, ShuttingDownError or EngineDeadError."""
+        return await self._add(("add", prompt, params, cache_salt), request_id, params.n)
+
+    async def add_beam_search(self, request_id: str, prompt: str | list[int],
+                              params: BeamSearchParams) -> RequestStream:
+        """Submit a beam search; its stream yields one finished RequestOutput holding the
+        beams as completions, best first (no deltas: beams change until the search ends).
+        Aborting it (or a client disconnect) ends the search and returns its blocks. Raises
+        as add_request does."""
+        return await self._add(("add_beam", prompt, params), request_id, params.beam_width)
+
+    async def _add(self, command: tuple, request_id: str, num_seqs: int) -> RequestStream:
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        if self.num_pending + params.n > self.max_pending_requests:
+        if self.num_pending + num_seqs > self.max_pending_requests:
             raise QueueFullError(f"too many pending sequences ({self.num_pending} waiting for their "
                                  f"first token, limit {self.max_pending_requests}); retry later")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, params.n, self.abort, loop)
+        stream = RequestStream(request_id, num_seqs, self.abort, loop)
         admitted = loop.create_future()
-        self.num_pending += params.n
-        self._submit(("add", stream, prompt, params, cache_salt, admitted))
+        self.num_pending += num_seqs
+        # ("add" | "add_beam", stream, <arguments>..., admitted)
+        self._submit((command[0], stream, *command[1:], admitted))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -234,7 +251,7 @@ class AsyncEngine:
                 self._commands.append(command)
                 self._cond.notify()
                 return
-        if command[0] == "add":  # the engine is gone: nothing will ever answer it
+        if command[0] in _ADDS:  # the engine is gone: nothing will ever answer it
             _resolve(command[1].loop, command[-1], EngineDeadError("the engine is not running"))
 
     def _mark_started(self, stream: RequestStream) -> None:
@@ -325,7 +342,7 @@ class AsyncEngine:
         self._ready.set()
         message = "the engine failed while running this request (see the server log)"
         for command in commands:
-            if command[0] == "add":
+            if command[0] in _ADDS:
                 _resolve(command[1].loop, command[-1], EngineDeadError(message))
         self._abort_all(EngineDeadError(message), call_engine=False)
         for callback in self.on_dead:
@@ -348,9 +365,20 @@ class AsyncEngine:
                 return
             self._streams[stream.request_id] = stream
             _resolve(stream.loop, admitted, None)
+        elif kind == "add_beam":
+            _, stream, prompt, params, admitted = command
+            try:
+                self.engine.add_beam_search(stream.request_id, prompt, params)
+            except Exception as exc:
+                _resolve(stream.loop, admitted, exc)
+                return
+            self._streams[stream.request_id] = stream
+            self._beam_searches.add(stream.request_id)
+            _resolve(stream.loop, admitted, None)
         elif kind == "abort":
             rid = command[1]
             self.engine.abort_request(rid)
+            self._beam_searches.discard(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:  # the consumer is gone; this feeds the metrics
                 self._post(stream, _aborted(rid))
@@ -358,6 +386,10 @@ class AsyncEngine:
             self._abort_all(None)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self._beam_searches and self.engine.finished_beam_searches:
+            for rid in [r for r in self.engine.finished_beam_searches if r in self._beam_searches]:
+                self._beam_searches.discard(rid)
+                outputs.append(_beam_output(self.engine.finished_beam_searches.pop(rid)))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile
@@ -378,6 +410,7 @@ class AsyncEngine:
             # a fresh exception per stream: each is raised in its own task
             self._post(stream, type(error)(*error.args) if error is not None else _aborted(rid))
         self._streams.clear()
+        self._beam_searches.clear()
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -395,6 +428,16 @@ def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+
+
+_ADDS = ("add", "add_beam")
+
+
+def _beam_output(result: BeamSearchOutput) -> RequestOutput:
+    """A finished beam search as one finished RequestOutput: beam i (best first) is completion i."""
+    return RequestOutput(result.request_id, None, list(result.prompt_token_ids),
+                         [CompletionOutput(i, seq.text, list(seq.token_ids), seq.finish_reason)
+                          for i, seq in enumerate(result.sequences)], finished=True)
 
 
 def _aborted(request_id: str) -> RequestOutput:

@@ -23,9 +23,6 @@ class ChatServing(ServingBase):
 
     async def create(self, req: ChatCompletionRequest, request: Request):
         self.check_common(req)
-        if req.response_format not in (None, {"type": "text"}):
-            raise bad_request("`response_format` is not supported by this engine (only {\"type\": \"text\"})",
-                              "response_format")
         if req.tools not in (None, []):
             raise bad_request("`tools` is not supported by this engine", "tools")
         if req.tool_choice not in (None, "none"):
@@ -33,10 +30,17 @@ class ChatServing(ServingBase):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
+        spec, spec_param = self.structured_outputs(req)
         ids = await self.run_cpu(self.prompt_ids, req.messages)
+        if spec is not None:
+            await self.compile_structured_outputs(spec, spec_param)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, self.resolve_max_tokens(requested, None, len(ids), param, "messages"), k)
+        max_tokens = self.resolve_max_tokens(requested, None, len(ids), param, "messages")
+        if req.use_beam_search:  # n beams, best first, as n choices
+            params = self.beam_search_params(req, max_tokens)
+        else:
+            params = self.sampling_params(req, max_tokens, k, structured_outputs=spec)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, [ids], [params], req.cache_salt, request)
         n = req.n or 1
@@ -56,6 +60,12 @@ class ChatServing(ServingBase):
 
     def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         """Render the chat template (with the generation prompt) and tokenize it."""
+        ids = self.encode(self.render(messages), "messages", add_special_tokens=False)
+        self.check_prompt_ids(ids, "messages")
+        return ids
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` (the chat template rendered)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         rendered = []
@@ -63,12 +73,10 @@ class ChatServing(ServingBase):
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
             rendered.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
         try:
-            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except Exception as exc:  # jinja errors: the template rejects these messages
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
-        ids = self.encode(text, "messages", add_special_tokens=False)
-        self.check_prompt_ids(ids, "messages")
-        return ids
 
     def logprobs(self, c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
         """Chat-style logprobs of c's tokens (None when not requested)."""

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 from typing import Any, AsyncIterator, Callable
@@ -19,14 +20,16 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pagedjax.beam_search import BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from pagedjax.server.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestStream,
                                           ShuttingDownError, merge_delta)
 from pagedjax.server.errors import APIError, bad_request
 from pagedjax.server.protocol import UsageInfo, _SamplingRequest
 
 logger = logging.getLogger(__name__)
+MAX_BEAMS = MAX_LOGPROBS // 2  # BeamSearchParams' bound on beam_width
 
 
 class ClientDisconnected(Exception):
@@ -73,17 +76,45 @@ class ServingBase:
     # ---- checks ---------------------------------------------------------------------------
 
     def check_common(self, req: _SamplingRequest) -> None:
-        """Model name and fields accepted only at their no-op value."""
+        """Model name, token ids within the vocabulary, option combinations."""
         if req.model is not None and req.model != self.served_model_name:
             raise APIError(f"The model `{req.model}` does not exist. This server serves "
                            f"`{self.served_model_name}`.", 404, "not_found_error", "model", "model_not_found")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise bad_request(f"`{name}` is not supported by this engine (only 0 is accepted)", name)
-        if req.logit_bias not in (None, {}):
-            raise bad_request("`logit_bias` is not supported by this engine", "logit_bias")
         if req.stream_options is not None and not req.stream:
             raise bad_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+        bad = next((t for t in (req.logit_bias or {}) if int(t) >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"`logit_bias`: token id {bad} is out of range [0, {self.vocab_size})", "logit_bias")
+        bad = next((t for t in (req.allowed_token_ids or ()) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"`allowed_token_ids`: token id {bad} is out of range [0, {self.vocab_size})",
+                              "allowed_token_ids")
+        if req.bad_words and self.tokenizer is None:
+            raise bad_request("`bad_words` need a tokenizer: this model has none", "bad_words")
+        if req.use_beam_search:
+            self.check_beam_search(req)
+
+    def check_beam_search(self, req: _SamplingRequest) -> None:
+        """Beam search is deterministic and keeps no per-token logprobs: what would change its
+        result or shape and is not supported with it is a 400 (temperature, top_p, top_k,
+        min_p and seed do not apply and are ignored, as vLLM does)."""
+        if (req.n or 1) > MAX_BEAMS:
+            raise bad_request(f"with `use_beam_search`, `n` is the number of beams: at most {MAX_BEAMS}", "n")
+        defaults = {"stream": (None, False), "logprobs": (None, False), "top_logprobs": None, "prompt_logprobs": None,
+                    "stop": (None, []), "stop_token_ids": (None, []), "presence_penalty": (None, 0),
+                    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
+                    "min_tokens": (None, 0), "bad_words": (None, []), "allowed_token_ids": None,
+                    "cache_salt": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+                    "guided_choice": None, "guided_grammar": None}
+        for name, ok in defaults.items():
+            value = getattr(req, name, None)
+            if value not in (ok if isinstance(ok, tuple) else (ok,)):
+                raise bad_request(f"`{name}` is not supported with `use_beam_search`", name)
+        rf = req.response_format
+        if rf is not None and rf.type != "text":
+            raise bad_request("`response_format` is not supported with `use_beam_search`", "response_format")
+        if getattr(req, "max_tokens", None) == 0:
+            raise bad_request("`max_tokens` must be at least 1 with `use_beam_search`", "max_tokens")
 
     def check_prompt_ids(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -110,8 +141,9 @@ class ServingBase:
                               param, "context_length_exceeded")
         return requested
 
-    @staticmethod
-    def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: _SamplingRequest, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -119,17 +151,84 @@ class ServingBase:
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0, min_p=req.min_p or 0.0, n=req.n or 1, seed=req.seed,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos),
-                logprobs=logprobs)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=req.logit_bias or None, min_tokens=req.min_tokens or 0,
+                bad_words=req.bad_words or None, allowed_token_ids=req.allowed_token_ids,
+                structured_outputs=structured_outputs)
         except ValueError as exc:
-            raise bad_request(str(exc)) from None
+            raise bad_request(str(exc), self._param_of(req, str(exc))) from None
+
+    def beam_search_params(self, req: _SamplingRequest, max_tokens: int) -> BeamSearchParams:
+        try:
+            return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens,
+                                    length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+                                    early_stopping=False if req.early_stopping is None else req.early_stopping,
+                                    ignore_eos=bool(req.ignore_eos))
+        except ValueError as exc:
+            raise bad_request(str(exc), self._param_of(req, str(exc))) from None
+
+    @staticmethod
+    def _param_of(req: _SamplingRequest, message: str) -> str | None:
+        """The request field an engine-side check names first (its messages start with it)."""
+        name = re.match(r"[a-z_]*", message).group()
+        name = {"beam_width": "n"}.get(name, name)
+        return name if name in type(req).model_fields else None
+
+    # ---- structured outputs ---------------------------------------------------------------
+
+    @staticmethod
+    def structured_outputs(req: _SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint the request asks for (response_format, structured_outputs or
+        the older guided_* fields: at most one of them) and the field that asked for it."""
+        given: list[tuple[str, dict]] = []
+        rf = req.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_
+            given.append(("response_format", {"json_object": True} if schema is None else {"json": schema}))
+        so = req.structured_outputs
+        if so is not None:
+            fields = {"json": so.json_, "json_object": so.json_object or None, "regex": so.regex,
+                      "choice": so.choice, "grammar": so.grammar}
+            given.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(req, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            names = ", ".join(f"`{n}`" for n, _ in given)
+            raise bad_request(f"give at most one output constraint; got {names}", given[1][0])
+        param, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields), param
+        except ValueError as exc:
+            raise bad_request(f"invalid `{param}`: {exc}", param) from None
+
+    async def compile_structured_outputs(self, spec: StructuredOutputsParams, param: str) -> None:
+        """Compile the constraint once on the worker thread (the engine caches it), so an
+        invalid schema, regex or grammar is a 400 that says what is wrong."""
+        compiler = getattr(self.engine.engine, "grammar_compiler", None)
+        if compiler is None:
+            raise bad_request("structured outputs need a tokenizer: this model has none", param)
+        try:
+            await self.run_cpu(compiler.compile, spec)
+        except ValueError as exc:  # StructuredOutputError
+            raise bad_request(f"invalid `{param}`: {exc}", param) from None
 
     # ---- running --------------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+    async def submit(self, request_id: str, prompts: list[list[int]],
+                     params: list[SamplingParams] | list[BeamSearchParams],
                      cache_salt: str | None = None, request: Request | None = None) -> list[RequestStream]:
-        """Add one engine request per prompt; on any failure abort the ones already added."""
+        """Add one engine request (or beam search) per prompt; on any failure abort the ones
+        already added."""
         limit = self.engine.max_pending_requests
-        num_seqs = sum(p.n for p in params)
+        num_seqs = sum(p.beam_width if isinstance(p, BeamSearchParams) else p.n for p in params)
         if num_seqs > limit:
             raise bad_request(f"this request asks for {num_seqs} sequences (prompts x n), more than the "
                               f"{limit} this server queues at once; split it")
@@ -138,7 +237,10 @@ class ServingBase:
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p, cache_salt))
+                if isinstance(p, BeamSearchParams):
+                    streams.append(await self.engine.add_beam_search(f"{request_id}-{i}", ids, p))
+                else:
+                    streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p, cache_salt))
         except BaseException as exc:
             for s in streams:
                 s.abort()
