@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hmac
+import importlib.metadata
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,13 +22,19 @@ from starlette.requests import ClientDisconnect
 from pagedjax.server.async_engine import AsyncEngine
 from pagedjax.server.errors import APIError, bad_request, from_status
 from pagedjax.server.metrics import CONTENT_TYPE, ServerMetrics
-from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pagedjax.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                      ModelList, TokenizeRequest)
 from pagedjax.server.serving_chat import ChatServing
 from pagedjax.server.serving_common import ClientDisconnected
 from pagedjax.server.serving_completion import CompletionServing
+from pagedjax.server.serving_tokenize import TokenizeServing
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # default body cap
+try:
+    VERSION = importlib.metadata.version("pagedjax")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+    VERSION = "unknown"
 
 
 def _server_tokenizer(tokenizer):
@@ -74,15 +81,18 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
         raise bad_request(f"Invalid value for `{param}`: {' | '.join(msgs[:4])}", param) from None
 
 
+PROTECTED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: they run the tokenizer
+
+
 class APIKeyMiddleware:
-    """Pure ASGI middleware: /v1/* needs `Authorization: Bearer <api_key>` (constant-time
-    comparison); /health and /metrics stay open."""
+    """Pure ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer
+    <api_key>` (constant-time comparison); /health, /metrics and /version stay open."""
 
     def __init__(self, app, api_key: str, on_reject=None) -> None:
         self.app, self.expected, self.on_reject = app, api_key.encode(), on_reject
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in PROTECTED_PATHS):
             headers = dict(scope.get("headers") or [])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             given = token.strip() if scheme.lower() == b"bearer" else b""
@@ -109,6 +119,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     cpu = ThreadPoolExecutor(1, thread_name_prefix="pagedjax-cpu")
     completions = CompletionServing(async_engine, name, tokenizer, cpu, send_timeout)
     chat = ChatServing(async_engine, name, tokenizer, cpu, send_timeout)
+    tokenize = TokenizeServing(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -175,6 +186,24 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     async def create_chat_completion(request: Request):
         return await generate(request, ChatCompletionRequest, chat)
 
+    async def answer(request: Request, model: type[BaseModel], handler) -> Response:
+        try:
+            return JSONResponse(await handler(parse_request(model, await read_body(request))))
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize_route(request: Request):
+        return await answer(request, TokenizeRequest, tokenize.tokenize)
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        return await answer(request, DetokenizeRequest, tokenize.detokenize)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": VERSION})
+
     @app.get("/v1/models")
     async def list_models():
         return JSONResponse(ModelList(data=[ModelCard(id=name, max_model_len=async_engine.max_model_len)]).model_dump())
@@ -214,7 +243,7 @@ def _openapi(app: FastAPI) -> dict:
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body

@@ -238,6 +238,22 @@ class ChatCompletionRequest(_SamplingRequest, _ChatNoOpFields):
     parallel_tool_calls: bool | None = None  # default true
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, fail_fast=True)
+    add_generation_prompt: bool | None = True  # messages only
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: TokenIds
+
+
 # ---- responses ------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from pagedjax.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletio
 from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_bytes,
                                             json_dumps, json_response,
                                             merge_streams, sse, top_logprobs)
+from pagedjax.server.tool_calls import ToolPlan, ToolStreams, plan_tools, template_messages, tool_constraint
 
 
 class ChatServing(ServingBase):
@@ -23,15 +24,12 @@ class ChatServing(ServingBase):
 
     async def create(self, req: ChatCompletionRequest, request: Request):
         self.check_common(req)
-        if req.tools not in (None, []):
-            raise bad_request("`tools` is not supported by this engine", "tools")
-        if req.tool_choice not in (None, "none"):
-            raise bad_request("`tool_choice` is not supported by this engine (only \"none\")", "tool_choice")
+        tools = plan_tools(req, self.tokenizer)  # None: no tools (tool_calls.py)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        spec, spec_param = self.structured_outputs(req)
-        ids = await self.run_cpu(self.prompt_ids, req.messages)
+        spec, spec_param = tool_constraint(tools, *self.structured_outputs(req))
+        ids = await self.run_cpu(self.prompt_ids, req.messages, tools)
         if spec is not None:
             await self.compile_structured_outputs(spec, spec_param)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -46,35 +44,39 @@ class ChatServing(ServingBase):
         n = req.n or 1
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self.event_stream(self.stream(request_id, ids, streams, n, k, include_usage), streams)
+            return self.event_stream(self.stream(request_id, ids, streams, n, k, include_usage, tools), streams)
         finals = await self.collect(request, streams)
         # built and serialized on the worker thread: a big logprobs answer never stalls the loop
-        return json_response(await self.run_cpu(self.response_body, request_id, ids, streams, finals[0], n, k))
+        return json_response(await self.run_cpu(self.response_body, request_id, ids, streams, finals[0], n, k,
+                                                tools))
 
-    def response_body(self, request_id: str, ids: list[int], streams, final, n: int, k: int | None) -> bytes:
+    def response_body(self, request_id: str, ids: list[int], streams, final, n: int, k: int | None,
+                      tools: ToolPlan | None = None) -> bytes:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self.logprobs(c, k), finish_reason=c.finish_reason or "abort")
                    for c in completions_by_index(final, n)]
+        if tools is not None and tools.parses:  # the text becomes content and tool calls
+            for ch in choices:
+                ch.message.content, ch.message.tool_calls, ch.finish_reason = tools.message(
+                    ch.message.content or "", ch.finish_reason)
         return json_bytes(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                                  usage=self.usage([ids], streams)).model_dump())
 
-    def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def prompt_ids(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
         """Render the chat template (with the generation prompt) and tokenize it."""
-        ids = self.encode(self.render(messages), "messages", add_special_tokens=False)
+        ids = self.encode(self.render(messages, tools=tools), "messages", add_special_tokens=False)
         self.check_prompt_ids(ids, "messages")
         return ids
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages` (the chat template rendered)."""
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               tools: ToolPlan | None = None) -> str:
+        """The prompt text of `messages` (the chat template rendered, with the tools if any)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        rendered = []
-        for m in messages:
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-            rendered.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+        rendered = template_messages(messages)
         try:
-            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+            return self.tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None,
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as exc:  # jinja errors: the template rejects these messages
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
@@ -96,7 +98,8 @@ class ChatServing(ServingBase):
         token = self.decode_token(tid)
         return TopLogprob(token=token, logprob=finite(logprob), bytes=list(token.encode("utf-8")))
 
-    async def stream(self, request_id: str, ids: list[int], streams, n: int, k: int | None, include_usage: bool):
+    async def stream(self, request_id: str, ids: list[int], streams, n: int, k: int | None, include_usage: bool,
+                     tools: ToolPlan | None = None):
         """SSE chunks: a role delta per choice, content deltas, finish reasons, usage, [DONE]."""
         created = int(time.time())
 
@@ -110,6 +113,7 @@ class ChatServing(ServingBase):
             return sse(json_dumps(body))
 
         done: set[int] = set()
+        parsers = ToolStreams(tools) if tools is not None and tools.parses else None  # text -> tool calls
 
         def chunks_of(out) -> str:
             text = ""
@@ -119,13 +123,18 @@ class ChatServing(ServingBase):
                     continue
                 if reason is not None:
                     done.add(c.index)
-                text += chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None),
+                delta = DeltaMessage(content=c.text or None)
+                if parsers is not None:
+                    fields, reason = parsers.delta(c.index, c.text, reason)
+                    delta = DeltaMessage(**fields)
+                text += chunk(ChatChunkChoice(index=c.index, delta=delta,
                                               logprobs=self.logprobs(c, k), finish_reason=reason))
             return text
 
         try:
             for i in range(n):
-                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                        content="" if parsers is None else None)))
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for _, out in merged:
                     # logprobs can make a chunk large: build those off the event loop

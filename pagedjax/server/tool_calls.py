@@ -117,6 +117,9 @@ def plan_tools(req: ChatCompletionRequest, tokenizer: Any) -> ToolPlan | None:
         choice = "auto"
     if choice == "none":
         return ToolPlan("none", rendered, parallel=parallel)
+    if choice != "auto" and getattr(req, "use_beam_search", False):
+        raise bad_request("a `tool_choice` of \"required\" or a named function is not supported with "
+                          "`use_beam_search`", "tool_choice")
     if choice == "auto":
         return ToolPlan("auto", rendered, parallel=parallel, call_format=detect_format(tokenizer, rendered))
     if choice == "required":
@@ -127,6 +130,19 @@ def plan_tools(req: ChatCompletionRequest, tokenizer: Any) -> ToolPlan | None:
                           f"(it has: {', '.join(names)})", "tool_choice.function.name")
     params = rendered[names.index(name)]["function"].get("parameters")
     return ToolPlan("named", rendered, name=name, parallel=parallel, schema=_object_schema(params))
+
+
+def tool_constraint(plan: ToolPlan | None, spec: StructuredOutputsParams | None,
+                    param: str | None) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field that set it, once tools are counted:
+    tool_choice "required" or a named function constrains the output itself, so it cannot
+    be combined with response_format or structured_outputs."""
+    if plan is None or plan.schema is None:
+        return spec, param
+    if spec is not None:
+        raise bad_request(f"`{param}` cannot be combined with a `tool_choice` of \"required\" or a named "
+                          "function (the tool call's schema is the output's constraint)", param)
+    return plan.structured_outputs(), "tools"
 
 
 def _object_schema(parameters: dict | None) -> dict:

@@ -5,7 +5,13 @@ Vocabulary (a WordLevel tokenizer built in-process): 4 special tokens, the role 
 (from `w0` when the prompt has none); after `w99` comes EOS, after EOS `w0`. With
 temperature > 0 words are drawn from `random.Random(f"{seed}-{index}")`. Completion i of
 n starts i words later. Logprobs: the sampled token -0.5, then token+1: -1.0, token+2:
--2.0, ... Each request reserves n * ceil((prompt + max_tokens) / block_size) blocks while it
+-2.0, ... Prompt logprobs (SamplingParams.prompt_logprobs=k): at prompt position i >= 1
+the "prediction" p = successor of token i-1 gets -0.5, p+1 -1.0, ... p+k -k, and the prompt's
+own token, if it is not among those, -10.0; they come with the request's first output.
+max_tokens=0 finishes at the first step with no tokens ("length"). Beam search: beam i is the
+greedy output shifted i words (as completion i of n), cum_logprob -0.5 per token - i, best
+first; it finishes after as many steps as its longest beam has tokens. `grammar_compiler`
+(None: none) is what the server compiles structured outputs with. Each request reserves n * ceil((prompt + max_tokens) / block_size) blocks while it
 runs, and gets one token per sequence per step. With `output_deltas` (the server sets it)
 each output carries only what is new, as LLMEngine's do.
 """
@@ -18,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -40,6 +47,22 @@ def make_tokenizer():
     tok.add_special_tokens(SPECIALS)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE)
+
+
+class FakeGrammarCompiler:
+    """Stands in for LLMEngine.grammar_compiler: records what it compiles (and on which
+    thread) and rejects the regex "(" and JSON schemas of type "bogus"."""
+
+    def __init__(self) -> None:
+        self.compiled: list = []
+        self.threads: set[str] = set()
+
+    def compile(self, spec):
+        self.threads.add(threading.current_thread().name)
+        if spec.regex == "(" or (isinstance(spec.json, dict) and spec.json.get("type") == "bogus"):
+            raise ValueError("invalid regex or JSON schema (fake compiler)")
+        self.compiled.append(spec)
+        return object()
 
 
 def next_token(tid: int) -> int:
@@ -71,13 +94,17 @@ class _Req:
     blocks: int
     seqs: list[_Seq]
     rngs: list[random.Random]
+    sent_prompt_logprobs: bool = False
+    beam: BeamSearchParams | None = None
+    steps: int = 0  # beam search: steps run
 
 
 class FakeEngine:
     """Implements the LLMEngine interface the server codes against."""
 
     def __init__(self, max_model_len: int = 256, block_size: int = 4, num_blocks: int = 1024,
-                 max_num_seqs: int = 64, step_delay: float = 0.0, stats_delay: float = 0.0) -> None:
+                 max_num_seqs: int = 64, step_delay: float = 0.0, stats_delay: float = 0.0,
+                 grammar_compiler=None) -> None:
         self.tokenizer = make_tokenizer()
         self.model_name = "fake-model"
         self.max_model_len, self.block_size, self.num_blocks = max_model_len, block_size, num_blocks
@@ -93,6 +120,9 @@ class FakeEngine:
         self.num_steps = 0
         self.output_deltas = False
         self.cache_salts: dict[str, str | None] = {}
+        self.grammar_compiler = grammar_compiler
+        self.beam_params: dict[str, BeamSearchParams] = {}
+        self.finished_beam_searches: dict[str, BeamSearchOutput] = {}
 
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
@@ -114,6 +144,17 @@ class FakeEngine:
         self.waiting.append(_Req(request_id, ids, params, blocks, [_Seq(i) for i in range(params.n)], rngs))
         self.added.append(request_id)
         self.params[request_id] = params
+
+    def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
+        self._touch()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids or len(ids) >= self.max_model_len:
+            raise ValueError("the prompt is empty or too long")
+        blocks = params.beam_width * math.ceil(min(len(ids) + params.max_tokens, self.max_model_len) / self.block_size)
+        self.waiting.append(_Req(request_id, ids, SamplingParams(max_tokens=params.max_tokens), blocks, [], [],
+                                 beam=params))
+        self.added.append(request_id)
+        self.beam_params[request_id] = params
 
     def abort_request(self, request_id: str) -> None:
         self._touch()
@@ -146,16 +187,65 @@ class FakeEngine:
             self.num_steps += 1
         outputs = []
         for req in list(self.running.values()):
+            if req.beam is not None:
+                self._beam_step(req)
+                continue
             for seq in req.seqs:
-                if seq.finish_reason is None:
+                if seq.finish_reason is None and req.params.max_tokens == 0:
+                    seq.finish_reason = "length"  # scoring: the prompt only
+                elif seq.finish_reason is None:
                     self._advance(req, seq)
             finished = all(s.finish_reason for s in req.seqs)
             if finished:
                 del self.running[req.request_id]
                 self.free_blocks += req.blocks
+            plp = None
+            if req.params.prompt_logprobs is not None and not (self.output_deltas and req.sent_prompt_logprobs):
+                plp, req.sent_prompt_logprobs = self._prompt_logprobs(req), True
             outputs.append(RequestOutput(req.request_id, None, list(req.prompt_token_ids),
-                                         [self._output(req, s) for s in req.seqs], finished=finished))
+                                         [self._output(req, s) for s in req.seqs], finished=finished,
+                                         prompt_logprobs=plp))
         return outputs
+
+    def _prompt_logprobs(self, req: _Req) -> list[dict[int, float] | None]:
+        k, ids = req.params.prompt_logprobs, req.prompt_token_ids
+        out: list[dict[int, float] | None] = [None]
+        for prev, tid in zip(ids, ids[1:]):
+            p = next_token(prev)
+            entry = {p: -0.5, **{(p + j) % VOCAB_SIZE: -float(j) for j in range(1, k + 1)}}
+            entry.setdefault(tid, -10.0)
+            out.append(entry)
+        return out
+
+    def _beam_step(self, req: _Req) -> None:
+        p = req.beam
+        beams = []
+        for i in range(p.beam_width):
+            words = [t for t in req.prompt_token_ids if t >= W0]
+            tid = next_token(words[-1]) if words else W0
+            for _ in range(i):
+                tid = next_token(tid)
+            tokens: list[int] = []
+            while len(tokens) < p.max_tokens and len(req.prompt_token_ids) + len(tokens) < self.max_model_len:
+                tokens.append(tid)
+                if tid == EOS and not p.ignore_eos:
+                    break
+                tid = next_token(tid)
+            beams.append(tokens)
+        req.steps += 1
+        if req.steps < max(len(b) for b in beams):
+            return
+        seqs = []
+        for i, tokens in enumerate(beams):
+            cum = -0.5 * len(tokens) - i
+            reason = "stop" if tokens[-1] == EOS and not p.ignore_eos else "length"
+            seqs.append(BeamSequence(tokens, cum, cum / len(tokens) ** p.length_penalty, reason,
+                                     self.tokenizer.decode([t for t in tokens if t >= W0])))
+        seqs.sort(key=lambda s: -s.score)
+        del self.running[req.request_id]
+        self.free_blocks += req.blocks
+        self.finished_beam_searches[req.request_id] = BeamSearchOutput(req.request_id, list(req.prompt_token_ids),
+                                                                       seqs)
 
     def _output(self, req: _Req, s: _Seq) -> CompletionOutput:
         a, c = (s.sent_tokens, s.sent_chars) if self.output_deltas else (0, 0)
