@@ -44,3 +44,37 @@ def test_default_configuration_compiles_ten_step_shapes():
     assert Buckets(64, 2048).all_shapes()[:3] == [(16, 16), (32, 32), (48, 48)]
     assert Buckets(64, 2048).all_shapes()[-1] == (2048, 64)
     assert Buckets(4, 100).token_buckets() == [16, 32, 48, 64, 96, 100]
+
+
+def test_no_compilation_after_warmup_across_every_sampling_feature(tiny_checkpoints, tmp_path):
+    """Penalties, logit bias, token masks, grammars, logprobs, prompt logprobs, scoring and
+    beam search are operands of the compiled steps, never new shapes."""
+    import shutil
+
+    from pagedjax import BeamSearchParams, StructuredOutputsParams
+    from tiny_models import make_tokenizer
+
+    src, _ = tiny_checkpoints("qwen2")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    make_tokenizer(384).save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), max_num_seqs=4, max_model_len=128, block_size=8, num_blocks=64,
+              max_num_batched_tokens=64)
+    llm.wait_for_warmup()
+    llm.engine.grammar_compiler  # built at first use (host only)
+    events = CompileEvents()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [
+        SamplingParams(max_tokens=12, presence_penalty=0.5, frequency_penalty=0.3, logprobs=3),
+        SamplingParams(max_tokens=9, repetition_penalty=1.2, logit_bias={5: 2.0}, temperature=0.7, seed=1),
+        SamplingParams(max_tokens=30, structured_outputs=StructuredOutputsParams(json=schema), n=2),
+        SamplingParams(max_tokens=5, min_tokens=3, allowed_token_ids=[3, 4, 5, 1], bad_words=["ab"]),
+        SamplingParams(max_tokens=4, prompt_logprobs=5),
+        SamplingParams(max_tokens=0, prompt_logprobs=1),
+        SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(choice=("x", "yz"))),
+    ]
+    prompts = ["hello there", [3, 4, 5, 6, 7] * 9, "json please", [9, 8, 7], "score this text", "and this", "pick"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[5].outputs[0].token_ids == [] and outs[4].prompt_logprobs[1] is not None
+    llm.beam_search([[3, 4, 5]], params=BeamSearchParams(beam_width=2, max_tokens=4))
+    assert events.count == 0, "a sampling feature triggered an XLA compile after warm-up"
+    assert llm.stats()["kv_blocks_free"] == 64

@@ -19,8 +19,8 @@ BAD = [
     (C, b"", 400, None),
     (C, {"model": MODEL}, 400, "prompt"),
     (C, {**P, "foo": 1}, 400, "foo"),
-    (C, {**P, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {**P, "frequency_penalty": -1}, 400, "frequency_penalty"),
+    (C, {**P, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {**P, "frequency_penalty": -2.5}, 400, "frequency_penalty"),
     (C, {**P, "model": "nope"}, 404, "model"),
     (C, {**P, "max_tokens": 0}, 400, "max_tokens"),
     (C, {**P, "max_tokens": "5"}, 400, "max_tokens"),
@@ -37,10 +37,10 @@ BAD = [
     (C, {**P, "prompt": [-1]}, 400, "prompt"),
     (C, {**P, "prompt": [1.5]}, 400, "prompt"),
     (C, {**P, "logprobs": 21}, 400, "logprobs"),
-    (C, {**P, "echo": True}, 400, "echo"),
+    (C, {**P, "echo": "yes"}, 400, "echo"),
     (C, {**P, "suffix": "x"}, 400, "suffix"),
     (C, {**P, "best_of": 3}, 400, "best_of"),
-    (C, {**P, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (C, {**P, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     (C, {**P, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {**P, "stream": True, "stream_options": {"bogus": 1}}, 400, "stream_options.bogus"),
     (C, {**P, "stop": [""]}, 400, None),
@@ -59,7 +59,7 @@ BAD = [
     (CHAT, {**M, "logprobs": 3}, 400, "logprobs"),
     (CHAT, {**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CHAT, {**M, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    (CHAT, {**M, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    (CHAT, {**M, "presence_penalty": 3.0}, 400, "presence_penalty"),
     (CHAT, {**M, "model": "gpt-4"}, 404, "model"),
 ]
 
@@ -101,7 +101,7 @@ def test_openai_client_exceptions(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="w1")
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], presence_penalty=1)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], presence_penalty=3)
 
 
 def test_models(client):
