@@ -87,7 +87,10 @@ class LLMEngine:
         block_size = cfg.max_model_len if dense else cfg.block_size
         weight_bytes = max(bytes_per_device(nnx.state(self.model)).values())  # one device's share
         if cfg.num_blocks is None:
-            cfg.num_blocks = cfg.default_num_blocks(self.kv_bytes_per_token * block_size, weight_bytes, block_size)
+            # the penalty slots (counts int32, prompt flags, bias f32 per vocabulary entry) sit beside the pool
+            penalty_bytes = cfg.max_num_seqs * mc.vocab_size * 9
+            cfg.num_blocks = cfg.default_num_blocks(self.kv_bytes_per_token * block_size, weight_bytes + penalty_bytes,
+                                                    block_size)
         self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None
                                  else int(cfg.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_token)
         max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
