@@ -8,6 +8,11 @@ token (TTFT), time per output token after the first (TPOT) and end-to-end latenc
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-requests 200 \
         --concurrency 32 --input-len 256 --output-len 128 --shared-prefix-len 64
+
+--structured json asks every request for JSON matching a schema (structured outputs);
+--penalties adds presence, frequency and repetition penalties and a logit bias. With either,
+the same load runs twice in one invocation, without and with the feature, and the two are
+printed side by side (the cost of the feature in output tokens/s).
 """
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--structured", choices=["json"], default=None, help="constrain outputs to a JSON schema")
+    p.add_argument("--penalties", action="store_true", help="presence/frequency/repetition penalties + logit_bias")
     p.add_argument("--output", default="results/bench_serving.json")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -75,7 +82,8 @@ def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int],
                       max_tokens: int) -> Result:
     body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": not args.no_ignore_eos}
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": not args.no_ignore_eos,
+            **feature_fields(args)}
     start = time.perf_counter()
     res = Result(ok=False, prompt_tokens=len(prompt))
     try:
@@ -100,6 +108,23 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = repr(exc)
     return res
+
+
+JSON_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "summary": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}}, "score": {"type": "number"}},
+    "required": ["title", "summary", "tags", "score"], "additionalProperties": False}
+
+
+def feature_fields(args: argparse.Namespace) -> dict:
+    """Request fields of the features under test (none for the baseline run)."""
+    fields = {}
+    if args.structured == "json":
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "doc", "schema": JSON_SCHEMA}}
+    if args.penalties:
+        fields.update(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                      logit_bias={str(t): -5.0 for t in range(100, 110)})
+    return fields
 
 
 def _summary(values: list[float]) -> dict:
@@ -156,8 +181,34 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
+def compare(args: argparse.Namespace) -> dict:
+    """The same load without, then with, the features; printed side by side."""
+    import copy
+
+    plain = copy.copy(args)
+    plain.structured, plain.penalties = None, False
+    runs = {"without": asyncio.run(run(plain)), "with": asyncio.run(run(args))}
+    label = " + ".join(x for x in (f"structured {args.structured}" if args.structured else "",
+                                     "penalties" if args.penalties else "") if x)
+    print(f"\n{'':22s} {'without':>10s} {'with ' + label:>28s}")
+    for key, name in (("output_throughput_tok_s", "output tok/s"), ("total_output_tokens", "output tokens"),
+                      ("duration_s", "duration s"), ("completed", "completed")):
+        print(f"{name:22s} {runs['without'][key]:10.1f} {runs['with'][key]:28.1f}")
+    for key in ("ttft_ms", "tpot_ms"):
+        print(f"{key + ' p50':22s} {runs['without'][key]['p50'] or 0:10.1f} {runs['with'][key]['p50'] or 0:28.1f}")
+    cost = 1 - runs["with"]["output_throughput_tok_s"] / runs["without"]["output_throughput_tok_s"]
+    print(f"cost of {label}: {100 * cost:.1f}% of output tokens/s")
+    return {"config": runs["with"]["config"], "runs": runs, "throughput_cost": cost}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.structured or args.penalties:
+        result = compare(args)
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2, default=str))
+        return result
     result = asyncio.run(run(args))
     if args.request_rate == float("inf"):
         result["config"]["request_rate"] = "inf"  # JSON has no infinity

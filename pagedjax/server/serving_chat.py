@@ -73,7 +73,7 @@ class ChatServing(ServingBase):
         """The prompt text of `messages` (the chat template rendered, with the tools if any)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        rendered = template_messages(messages)
+        rendered = template_messages(messages, self.tokenizer, tools)
         try:
             return self.tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None,
                                                       add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -123,12 +123,11 @@ class ChatServing(ServingBase):
                     continue
                 if reason is not None:
                     done.add(c.index)
-                delta = DeltaMessage(content=c.text or None)
-                if parsers is not None:
-                    fields, reason = parsers.delta(c.index, c.text, reason)
-                    delta = DeltaMessage(**fields)
-                text += chunk(ChatChunkChoice(index=c.index, delta=delta,
-                                              logprobs=self.logprobs(c, k), finish_reason=reason))
+                parts = [({"content": c.text or None}, reason)] if parsers is None else \
+                    parsers.deltas(c.index, c.text, reason)
+                for j, (fields, why) in enumerate(parts):
+                    text += chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(**fields),
+                                                  logprobs=self.logprobs(c, k) if j == 0 else None, finish_reason=why))
             return text
 
         try:

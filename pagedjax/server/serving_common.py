@@ -212,11 +212,17 @@ class ServingBase:
     async def compile_structured_outputs(self, spec: StructuredOutputsParams, param: str) -> None:
         """Compile the constraint once on the worker thread (the engine caches it), so an
         invalid schema, regex or grammar is a 400 that says what is wrong."""
-        compiler = getattr(self.engine.engine, "grammar_compiler", None)
-        if compiler is None:
-            raise bad_request("structured outputs need a tokenizer: this model has none", param)
+        def compile_() -> bool:
+            # the engine builds its compiler at first use (slow): never on the event loop
+            compiler = getattr(self.engine.engine, "grammar_compiler", None)
+            if compiler is None:
+                return False
+            compiler.compile(spec)
+            return True
+
         try:
-            await self.run_cpu(compiler.compile, spec)
+            if not await self.run_cpu(compile_):
+                raise bad_request("structured outputs need a tokenizer: this model has none", param)
         except ValueError as exc:  # StructuredOutputError
             raise bad_request(f"invalid `{param}`: {exc}", param) from None
 

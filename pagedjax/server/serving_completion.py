@@ -36,6 +36,7 @@ class _Shape:
     k: int | None  # logprobs: top k per token (None: no logprobs)
     echo: list[str] | None  # each prompt's text, prepended to its choices (None: no echo)
     prompt_logprobs: int | None  # top k of the vLLM prompt_logprobs field (None: not asked for)
+    engine_prompt_logprobs: int | None  # top k of the prompt logprobs the engine was asked for
     scoring: bool  # max_tokens == 0: the prompt is only scored
 
 
@@ -76,7 +77,7 @@ class CompletionServing(ServingBase):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, prompts, params, req.cache_salt, request)
         n = req.n or 1
-        shape = _Shape(n, k, texts if req.echo else None, req.prompt_logprobs, req.max_tokens == 0)
+        shape = _Shape(n, k, texts if req.echo else None, req.prompt_logprobs, engine_plp, req.max_tokens == 0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.event_stream(self.stream(request_id, prompts, streams, shape, include_usage), streams)
@@ -112,15 +113,16 @@ class CompletionServing(ServingBase):
             text = shape.echo[p] + text
         plp = None
         if shape.prompt_logprobs is not None and first:
-            plp = self.prompt_logprobs_json(prompt, out.prompt_logprobs, shape.prompt_logprobs)
+            plp = self.prompt_logprobs_json(prompt, out.prompt_logprobs, shape.prompt_logprobs,
+                                            shape.engine_prompt_logprobs)
         return CompletionChoice(index=p * shape.n + c.index, text=text, logprobs=lp, finish_reason=reason,
                                 prompt_logprobs=plp), offset
 
-    def prompt_logprobs_json(self, prompt: list[int], entries, k: int) -> list:
+    def prompt_logprobs_json(self, prompt: list[int], entries, k: int, engine_k: int) -> list:
         """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
         decoded_token}} with the top k and the prompt's own token. A rank is 1 + the number of
-        more likely tokens; None for a prompt token outside the top k (the engine does not
-        report how far down it is)."""
+        more likely tokens; None for a prompt token outside the top engine_k the engine
+        computed (it does not report how far down such a token is)."""
         entries = entries or [None] * len(prompt)
         out: list = []
         for pos, tid in enumerate(prompt):
@@ -132,7 +134,9 @@ class CompletionServing(ServingBase):
             item = {str(t): {"logprob": finite(v), "rank": i + 1, "decoded_token": self.decode_token(t)}
                     for i, (t, v) in enumerate(ranked[:k])}
             if str(tid) not in item and tid in entry:
-                item[str(tid)] = {"logprob": finite(entry[tid]), "rank": None, "decoded_token": self.decode_token(tid)}
+                pos = next(i for i, (t, _) in enumerate(ranked) if t == tid)
+                item[str(tid)] = {"logprob": finite(entry[tid]), "rank": pos + 1 if pos < engine_k else None,
+                                  "decoded_token": self.decode_token(tid)}
             out.append(item)
         return out
 

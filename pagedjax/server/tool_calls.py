@@ -1,10 +1,12 @@
 """Tool (function) calls on /v1/chat/completions, with OpenAI's semantics.
 
 - The tools go to the model's own chat template (`apply_chat_template(..., tools=[...])`),
-  whatever `tool_choice` is (as vLLM does; a template without tool support ignores them).
-  History messages go in the shape Hugging Face templates expect: an assistant's tool calls
-  with their arguments as a dict, a tool result with its `tool_call_id` (and the called
-  function's `name` where an earlier call gives it).
+  whatever `tool_choice` is (as vLLM does). History messages go in the shape Hugging Face
+  templates expect: an assistant's tool calls with their arguments as a dict, a tool result
+  with its `tool_call_id` (and the called function's `name` where an earlier call gives it).
+  A template that never reads them (SmolLM2's): earlier calls are written into the
+  assistant's content as `<tool_call>` blocks, and for "required" / a named function the
+  tools are described in the system message (see template_messages).
 - `tool_choice: "none"`: plain generation, nothing parsed.
 - A named function: the output is constrained (structured outputs) to that function's
   `parameters` schema and becomes the arguments of one call; finish_reason is the engine's
@@ -35,7 +37,7 @@ import copy
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedjax.sampling_params import StructuredOutputsParams
@@ -159,7 +161,10 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
     for i, t in enumerate(tools):
         params = _object_schema(t["function"].get("parameters"))
         for key in ("$defs", "definitions"):
-            for name, sub in (params.pop(key, None) or {}).items():
+            found = params.pop(key, None) or {}
+            if not isinstance(found, dict):
+                raise bad_request(f"`{key}` must be an object", f"tools[{i}].function.parameters")
+            for name, sub in found.items():
                 if defs.setdefault(name, sub) != sub:
                     raise bad_request(f"tools define `{name}` in `{key}` twice, differently; give the "
                                       "definitions distinct names", f"tools[{i}].function.parameters")
@@ -175,19 +180,59 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
     return schema
 
 
-def detect_format(tokenizer: Any, tools: list[dict] | None = None) -> type[_CallFormat] | None:
-    """The tool-call format the model's chat template teaches, if a known one."""
+def chat_template(tokenizer: Any, tools: list[dict] | None = None) -> str | None:
+    """The text of the chat template `apply_chat_template` uses (None: not known)."""
     try:
         template = tokenizer.get_chat_template(tools=tools)
     except Exception:  # no template, or a tokenizer without get_chat_template
         template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        return None
-    return next((f for f in _FORMATS if f.matches(template)), None)
+    return template if isinstance(template, str) else None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as chat templates take them; 400 for fields a role does not allow."""
+def detect_format(tokenizer: Any, tools: list[dict] | None = None) -> type[_CallFormat] | None:
+    """The tool-call format the model's chat template teaches, if a known one."""
+    template = chat_template(tokenizer, tools)
+    return None if template is None else next((f for f in _FORMATS if f.matches(template)), None)
+
+
+def template_messages(messages: list[ChatMessage], tokenizer: Any = None, plan: ToolPlan | None = None) -> list[dict]:
+    """The messages as chat templates take them; 400 for fields a role does not allow.
+
+    For a template without tool support (it never reads `tools` / `tool_calls`, as
+    SmolLM2's): an assistant's earlier calls are written into its content as `<tool_call>`
+    blocks (else the template drops them), and for tool_choice "required" or a named function
+    the tools are described in the system message (else the model fills in arguments for
+    functions it never saw)."""
+    out = _messages(messages)
+    template = chat_template(tokenizer, plan.tools if plan else None) if tokenizer is not None else None
+    if template is None:
+        return out
+    if not re.search(r"\btool_calls\b", template):
+        for msg in out:
+            for tc in msg.get("tool_calls", ()):
+                block = json.dumps({"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]},
+                                   ensure_ascii=False)
+                msg["content"] += ("\n" if msg["content"] else "") + f"<tool_call>\n{block}\n</tool_call>"
+    if plan is not None and plan.mode in ("required", "named") and not re.search(r"\btools\b", template):
+        note = _tools_note(plan)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{note}" if out[0]["content"] else note}
+        else:
+            out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+def _tools_note(plan: ToolPlan) -> str:
+    """The tools, in words, for a template that cannot show them."""
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in plan.tools)
+    if plan.mode == "named":
+        ask = f"Call the function `{plan.name}`: reply with its arguments as a JSON object."
+    else:
+        ask = 'Call one or more of them: reply with a JSON array of {"name": ..., "parameters": {...}} objects.'
+    return f"You can call these functions (name, description, JSON schema of the arguments):\n{listed}\n{ask}"
+
+
+def _messages(messages: list[ChatMessage]) -> list[dict]:
     out: list[dict] = []
     names: dict[str, str] = {}  # tool call id -> function name
     for i, m in enumerate(messages):
@@ -209,9 +254,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             msg["tool_calls"] = []
             for j, tc in enumerate(m.tool_calls):
                 names[tc.id] = tc.function.name
-                msg["tool_calls"].append({"id": tc.id, "type": "function", "function": {
-                    "name": tc.function.name,
-                    "arguments": _arguments_dict(tc.function.arguments, f"{where}.tool_calls[{j}].function.arguments")}})
+                arguments = _arguments_dict(tc.function.arguments, f"{where}.tool_calls[{j}].function.arguments")
+                msg["tool_calls"].append({"id": tc.id, "type": "function",
+                                          "function": {"name": tc.function.name, "arguments": arguments}})
         if m.role == "tool":
             msg["tool_call_id"] = m.tool_call_id
             if not m.name and m.tool_call_id in names:
@@ -243,20 +288,22 @@ class ToolStreams:
         self.plan = plan
         self.parsers: dict[int, _Parser] = {}
 
-    def delta(self, index: int, text: str, reason: str | None) -> tuple[Delta, str | None]:
-        """The delta of choice `index` for new text `text` (and its finish_reason, when it ends)."""
+    def deltas(self, index: int, text: str, reason: str | None) -> list[tuple[Delta, str | None]]:
+        """The (delta, finish_reason) chunks of choice `index` for its new text `text` (and its
+        end, when `reason` is set). An end that brings tool calls gets a chunk of its own after
+        them, as OpenAI sends it: the SDK's stream helper closes a call only on a later chunk."""
         p = self.parsers.get(index)
         if p is None:
             p = self.parsers[index] = self.plan.parser()
         d = p.feed(text)
         if reason is None:
-            return d, None
+            return [(d, None)]
         end = p.finish(reason)
         if "content" in end:
             d["content"] = d.get("content", "") + end["content"]
         if "tool_calls" in end:
             d["tool_calls"] = d.get("tool_calls", []) + end["tool_calls"]
-        return d, p.reason
+        return [(d, None), ({}, p.reason)] if "tool_calls" in d else [(d, p.reason)]
 
 
 class _Parser:
@@ -301,7 +348,7 @@ class _RequiredParser(_Parser):
     def __init__(self, names: set[str], parallel: bool) -> None:
         self.names, self.parallel = names, parallel
         self.buf, self.pos, self.state, self.calls, self.failed = "", 0, "start", 0, False
-        self.tried = 0  # an element is decoded only once a "}" came after the last try
+        self.tried = 0  # an element is tried again only once a "}" came after the last failed try
         self.decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> Delta:
@@ -321,12 +368,12 @@ class _RequiredParser(_Parser):
             elif ch == "," and self.state == "next":
                 self.pos, self.state = self.pos + 1, "item"
             elif self.state in ("first", "item"):
-                if "}" not in self.buf[self.tried:]:
+                if self.buf.find("}", max(self.tried, self.pos)) < 0:
                     break
-                self.tried = len(self.buf)
                 try:
                     item, end = self.decoder.raw_decode(self.buf, self.pos)
                 except ValueError:  # incomplete (or invalid: stays so until the end)
+                    self.tried = len(self.buf)
                     break
                 call = self._call(item)
                 if call is None:
@@ -363,7 +410,7 @@ class _AutoParser(_Parser):
 
     def feed(self, text: str) -> Delta:
         self.buf += text
-        safe = self.format.safe_prefix(self.buf)
+        safe = self.format.safe_prefix(self.buf, self.sent)
         if safe <= self.sent:
             return {}
         piece, self.sent = self.buf[self.sent:safe], safe
@@ -396,8 +443,9 @@ class _CallFormat:
         raise NotImplementedError
 
     @staticmethod
-    def safe_prefix(text: str) -> int:
-        """How much of `text` is content whatever follows (never shrinks as text grows)."""
+    def safe_prefix(text: str, start: int) -> int:
+        """How much of `text` is content whatever follows; `text[:start]` is known to be (it
+        was the answer for a shorter text: the answer never shrinks as text grows)."""
         raise NotImplementedError
 
     @staticmethod
@@ -429,19 +477,21 @@ class HermesFormat(_CallFormat):
     one block per call; a last block may lack its closing tag (a stop string took it)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     @staticmethod
     def matches(template: str) -> bool:
         return HermesFormat.OPEN in template
 
     @staticmethod
-    def safe_prefix(text: str) -> int:
-        cut = text.find(HermesFormat.OPEN)
+    def safe_prefix(text: str, start: int = 0) -> int:
+        cut = text.find(HermesFormat.OPEN, start)
         if cut < 0:  # hold back an end that may be the tag's beginning
             cut = len(text) - next((k for k in range(min(len(text), len(HermesFormat.OPEN) - 1), 0, -1)
                                     if text.endswith(HermesFormat.OPEN[:k])), 0)
-        return len(text[:cut].rstrip())  # and the blanks before it (content is right-stripped)
+        while cut > start and text[cut - 1].isspace():  # and the blanks before it (content is right-stripped)
+            cut -= 1
+        return cut
 
     @staticmethod
     def parse(text: str) -> tuple[str, list[tuple[str, str]]] | None:
@@ -471,10 +521,11 @@ class Llama3JsonFormat(_CallFormat):
         return '"parameters": dictionary of argument name' in template
 
     @staticmethod
-    def safe_prefix(text: str) -> int:
-        s = text.lstrip()
-        tag = Llama3JsonFormat.TAG
-        if not s or s.startswith("{") or s.startswith(tag) or tag.startswith(s):
+    def safe_prefix(text: str, start: int = 0) -> int:
+        if start:  # some of it went out as content: all of it is
+            return len(text)
+        s = text[re.match(r"\s*", text).end():][:len(Llama3JsonFormat.TAG)]
+        if not s or s.startswith("{") or Llama3JsonFormat.TAG.startswith(s):
             return 0  # may be a call: held back until the end
         return len(text)
 

@@ -58,3 +58,19 @@ def test_scan_and_unrolled_layers_agree(tiny_checkpoints):
             done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
         outs[scan] = [done[str(i)] for i in range(len(prompts))]
     assert outs[True] == outs[False] == [hf_greedy(hf_model, p, 6) for p in prompts]
+
+
+def test_sampler_updates_the_penalty_slots_in_place(tiny_checkpoints):
+    """The penalty table ([max_num_seqs, V] counts, flags, bias) is donated to the sampler and
+    aliased to its output: a step never copies it, whether or not a row uses penalties."""
+    path, _ = tiny_checkpoints("llama")
+    eng = LLMEngine(str(path), stream_text=False, block_size=8, max_num_seqs=32, max_model_len=96,
+                    num_blocks=64, max_num_batched_tokens=64)
+    runner = eng.runner
+    runner.compile_bucket(16)  # S = 16 rows, the table has 32
+    exe = runner._samplers[16]
+    table_bytes = sum(x.nbytes for x in (runner.penalties.counts, runner.penalties.in_prompt, runner.penalties.bias))
+    assert exe.memory_analysis().alias_size_in_bytes >= table_bytes
+    rows, vocab = runner.penalties.counts.shape
+    copies = [line for line in exe.as_text().splitlines() if f"[{rows},{vocab}]" in line and " copy(" in line]
+    assert copies == []

@@ -67,6 +67,14 @@ def test_sampling_logprobs_and_beam_search_identical_under_tp2(results):
     assert two["dense"] == one["dense"]
     for a, b in zip(_flat(one["logprobs"]), _flat(two["logprobs"])):
         assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
+    _same_processors(one, two)
+
+
+def _same_processors(one, other):
+    """Penalties, bias, token masks and prompt logprobs give what one device gives."""
+    assert other["processors"]["tokens"] == one["processors"]["tokens"]
+    assert other["processors"]["prompt_logprobs"][1:] == pytest.approx(one["processors"]["prompt_logprobs"][1:],
+                                                                       abs=1e-4)
 
 
 def _flat(lp):
@@ -89,6 +97,7 @@ def test_data_parallel_outputs_identical_to_one_device(results, tp):
     assert dp["n3"] == one["n3"]
     assert dp["beam"] == one["beam"]
     assert dp["greedy_scan"] == one["greedy_scan"]
+    _same_processors(one, dp)
     assert dp["compilations_after_warmup"] == 0
 
 

@@ -33,6 +33,21 @@ def greedy(llm, n_tokens=10):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+PROCESSORS = [  # penalties, bias, a token mask and prompt logprobs, batched together
+    dict(max_tokens=8, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3,
+         logit_bias={7: 3.0}),
+    dict(max_tokens=8, ignore_eos=True, allowed_token_ids=[5, 6, 7, 9, 11], prompt_logprobs=2),
+    dict(max_tokens=8, ignore_eos=True, temperature=0.8, seed=3, frequency_penalty=1.0, min_tokens=4),
+]
+
+
+def processors(llm):
+    outs = llm.generate(PROMPTS, [SamplingParams(**kw) for kw in PROCESSORS], use_tqdm=False)
+    plp = outs[1].prompt_logprobs
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "prompt_logprobs": [None] + [plp[i][t] for i, t in enumerate(PROMPTS[1]) if i]}
+
+
 def memory(llm):
     s = llm.stats()
     total_w = sum(x.nbytes for x in _leaves(llm.engine.runner.state))
@@ -71,6 +86,7 @@ def main(out_dir: Path) -> dict:
             "logprobs": [[[sorted(d.items()) for d in c.logprobs] for c in o.outputs] for o in outs],
             "beam": [[list(s.token_ids) for s in b.sequences] for b in llm.beam_search(PROMPTS[:2], params=beam)],
             "greedy_scan": greedy(llm, 20),
+            "processors": processors(llm),
         }
         case["compilations_after_warmup"] = llm.stats()["num_compilations"] - before
         dense = LLM(llama, tensor_parallel_size=tp, kv_cache="dense", max_num_batched_tokens=32, max_num_seqs=4,
@@ -92,6 +108,7 @@ def main(out_dir: Path) -> dict:
             "n3": [[list(c.token_ids) for c in o.outputs] for o in outs],
             "beam": [[list(s.token_ids) for s in b.sequences] for b in llm.beam_search(PROMPTS[:2], params=beam)],
             "greedy_scan": greedy(llm, 20),
+            "processors": processors(llm),
         }
         queried = [r["prefix_cache_query_tokens"] for r in llm.stats()["data_parallel_ranks"]]
         llm.generate([shared + [i] for i in range(6)], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -6,13 +6,15 @@ Vocabulary (a WordLevel tokenizer built in-process): 4 special tokens, the role 
 temperature > 0 words are drawn from `random.Random(f"{seed}-{index}")`. Completion i of
 n starts i words later. Logprobs: the sampled token -0.5, then token+1: -1.0, token+2:
 -2.0, ... Prompt logprobs (SamplingParams.prompt_logprobs=k): at prompt position i >= 1
-the "prediction" p = successor of token i-1 gets -0.5, p+1 -1.0, ... p+k -k, and the prompt's
-own token, if it is not among those, -10.0; they come with the request's first output.
+the "prediction" p = successor of token i-1 has -0.5, token p+j (j >= 1, mod the vocabulary)
+-j; an entry holds the top k (p .. p+k-1) and the prompt's own token; they come with the
+request's first output.
 max_tokens=0 finishes at the first step with no tokens ("length"). Beam search: beam i is the
 greedy output shifted i words (as completion i of n), cum_logprob -0.5 per token - i, best
 first; it finishes after as many steps as its longest beam has tokens. `grammar_compiler`
-(None: none) is what the server compiles structured outputs with. Each request reserves n * ceil((prompt + max_tokens) / block_size) blocks while it
-runs, and gets one token per sequence per step. With `output_deltas` (the server sets it)
+(None: none) is what the server compiles structured outputs with. Each request reserves
+n * ceil((prompt + max_tokens) / block_size) blocks while it runs, and gets one token per
+sequence per step. With `output_deltas` (the server sets it)
 each output carries only what is new, as LLMEngine's do.
 """
 from __future__ import annotations
@@ -212,8 +214,8 @@ class FakeEngine:
         out: list[dict[int, float] | None] = [None]
         for prev, tid in zip(ids, ids[1:]):
             p = next_token(prev)
-            entry = {p: -0.5, **{(p + j) % VOCAB_SIZE: -float(j) for j in range(1, k + 1)}}
-            entry.setdefault(tid, -10.0)
+            entry = {(p + j) % VOCAB_SIZE: -float(j) or -0.5 for j in range(k)}
+            entry[tid] = -float((tid - p) % VOCAB_SIZE) or -0.5
             out.append(entry)
         return out
 

@@ -9,56 +9,43 @@ import json
 import httpx
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from pagedjax.sampling_params import StructuredOutputsParams
 from pagedjax.server.tool_calls import (HermesFormat, Llama3JsonFormat, ToolPlan, required_schema)
 
 from .conftest import MODEL, openai_client, running_server
-from .fake_engine import EOS, SPECIALS, FakeEngine
+from .fake_engine import CHAT_TEMPLATE, EOS, SPECIALS, FakeEngine
 
-# Qwen2.5's chat template, shortened (the same tool prompt, call and response markup)
-QWEN_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You are a helpful assistant.{% endif %}
-
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0]['role'] == 'system' %}<|im_start|>system
-{{ messages[0]['content'] }}<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "user" or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% elif message.role == "assistant" %}<|im_start|>assistant
-{%- if message.content %}
-{{ message.content }}{% endif %}
-{%- for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}
-<tool_call>
-{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == "tool" %}
-{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != "tool" %}<|im_start|>user{% endif %}
-<tool_response>
-{{ message.content }}
-</tool_response>
-{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}<|im_end|>
-{% endif %}{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+# Qwen2.5's chat template, without its default system prompt (the same tool prompt, call and response markup)
+QWEN_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def make_byte_tokenizer(chat_template: str):
@@ -142,18 +129,26 @@ def tclient(tserver) -> openai.OpenAI:
 
 
 def ask(tserver, tclient, script, **kw):
-    """The non-streaming answer and the streamed one (accumulated by the SDK's stream helper)."""
+    """The non-streaming answer, and the streamed one as the SDK accumulates it, with its chunks."""
     tserver.engine.script = script
     kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, **kw}
     r = tclient.chat.completions.create(**kw)
-    with tclient.chat.completions.stream(**kw) as stream:
-        chunks = [e.chunk for e in stream if e.type == "chunk"]
-        s = stream.get_final_completion()
-    return r, s, chunks
+    state, chunks = ChatCompletionStreamState(), []
+    for chunk in tclient.chat.completions.create(stream=True, **kw):
+        state.handle_chunk(chunk)
+        chunks.append(chunk)
+    return r, state.current_completion_snapshot, chunks
 
 
-def calls(message) -> list[tuple[str, dict]]:
-    return [(tc.function.name, json.loads(tc.function.arguments)) for tc in message.tool_calls or []]
+def calls(message) -> list[tuple[str, dict | str]]:
+    """(name, arguments parsed; as text when they are not JSON) of each tool call."""
+    out = []
+    for tc in message.tool_calls or []:
+        try:
+            out.append((tc.function.name, json.loads(tc.function.arguments)))
+        except ValueError:
+            out.append((tc.function.name, tc.function.arguments))
+    return out
 
 
 def same(r, s) -> None:
@@ -188,6 +183,18 @@ def test_auto_parses_calls_and_content(tserver, tclient):
     assert "<tools>\n" + json.dumps(TOOLS[0]) in prompt and prompt.endswith("<|im_start|>assistant\n")
     assert r.usage.completion_tokens == len(tserver.engine.tokenizer.encode(
         "Let me check.\n" + CALL_PARIS + "\n" + CALL_TIME)) + 1  # + EOS: usage unchanged by parsing
+
+
+def test_stream_helper(tserver, tclient):
+    """The SDK's `chat.completions.stream` helper gives the same calls as a plain request."""
+    tserver.engine.script = "On it.\n" + CALL_PARIS + "\n" + CALL_TIME
+    with tclient.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    done = [(e.name, json.loads(e.arguments)) for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert done == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert calls(final.choices[0].message) == done and final.choices[0].message.content == "On it."
+    assert final.choices[0].finish_reason == "tool_calls"
 
 
 def test_auto_call_only_content_null(tserver, tclient):
@@ -368,6 +375,31 @@ def test_template_without_tool_support(server, client):
            ("w6 w7", None, "length")
 
 
+def test_template_without_tool_support_named_and_history():
+    """A template that never reads tools (the fake's plain ChatML): a named call still comes
+    out, the tools are described in a system message, earlier calls stay in the history."""
+    with running_server(ScriptedEngine(CHAT_TEMPLATE)) as srv:
+        srv.engine.script = '{"tz": "UTC"}'
+        messages = [{"role": "system", "content": "Be brief."}, *ASK,
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+        r = openai_client(srv.url).chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert calls(r.choices[0].message) == [("get_time", {"tz": "UTC"})]
+        prompt = srv.engine.last_prompt()
+        assert prompt.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions") and \
+            json.dumps(TOOLS[1]["function"]) in prompt and "Call the function `get_time`" in prompt
+        assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>\n' \
+               '<|im_start|>tool\n12:00<|im_end|>\n' in prompt
+        # auto: no call format known, the model was not shown the tools: plain content
+        srv.engine.script = CALL_PARIS
+        r = openai_client(srv.url).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+        assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (CALL_PARIS, None)
+        assert "You can call" not in srv.engine.last_prompt()
+
+
 # ---- bad requests -----------------------------------------------------------------------
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -395,7 +427,8 @@ BAD = [
     ({**B, "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0].tool_call_id", None),
     ({**B, "messages": [{"role": "assistant", "content": None}]}, "messages[0].content", None),
     ({**B, "messages": [{"role": "user", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls", None),
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls", None),
     ({**B, "messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages[0].tool_calls[0].function.arguments", None),
@@ -428,8 +461,8 @@ def test_hermes_safe_prefix_never_shrinks_and_parse():
     text = "Sure <to" + "ol> ok \n\n" + CALL_PARIS
     sent = 0
     for i in range(len(text) + 1):
-        cut = HermesFormat.safe_prefix(text[:i])
-        assert cut >= sent and "<tool_" not in text[:cut]
+        cut = HermesFormat.safe_prefix(text[:i], sent)
+        assert cut >= sent and "<tool_" not in text[:cut] and cut == HermesFormat.safe_prefix(text[:i])
         sent = cut
     assert text[:sent] == "Sure <tool> ok"
     assert HermesFormat.parse(text) == ("Sure <tool> ok", [("get_weather", '{"city": "Paris"}')])
@@ -449,3 +482,45 @@ def test_llama3_json_format():
     content, tool_calls, reason = plan.message('{"name": "f", "parameters": {"a": 1}}', "stop")
     assert (content, [(t.function.name, t.function.arguments) for t in tool_calls], reason) == \
         (None, [("f", '{"a": 1}')], "tool_calls")
+
+
+@pytest.mark.parametrize("plan,text", [
+    (ToolPlan("auto", [], call_format=HermesFormat), "Hi  \n" + CALL_PARIS + "\n" + CALL_TIME),
+    (ToolPlan("auto", [], call_format=HermesFormat), "Hi <tool_cal> <tool_call>{bad</tool_call>"),
+    (ToolPlan("auto", [], call_format=HermesFormat), "  \n  "),
+    (ToolPlan("auto", [], call_format=Llama3JsonFormat), ' {"name": "f", "parameters": {"a": "}"}};{"name": "g"}'),
+    (ToolPlan("auto", [], call_format=Llama3JsonFormat), "<|python_tag|>not json"),
+    (ToolPlan("auto", [], call_format=Llama3JsonFormat), "plain {text}"),
+    (ToolPlan("required", TOOLS), REQUIRED),
+    (ToolPlan("required", TOOLS), '[{"name": "get_time", "parameters": {"tz": "}]"}}, {"name": "get_weather", "par'),
+    (ToolPlan("required", TOOLS, parallel=False), REQUIRED),
+    (ToolPlan("named", TOOLS, name="get_time"), '{"tz": "UTC"}'),
+])
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_streamed_pieces_accumulate_to_the_whole(plan, text, reason):
+    """Any split of the text streams to what the whole text gives, with any finish reason."""
+    import random
+
+    from pagedjax.server.tool_calls import ToolStreams
+
+    want = plan.message(text, reason)
+    for seed in range(20):
+        rng, pos, deltas = random.Random(seed), 0, []
+        streams = ToolStreams(plan)
+        while pos < len(text):
+            step = rng.randint(0, 6)
+            piece, pos = text[pos:pos + step], pos + step
+            deltas += streams.deltas(0, piece, reason if pos >= len(text) else None)
+        if not text:
+            deltas += streams.deltas(0, "", reason)
+        content = "".join(d.get("content", "") for d, _ in deltas) or None
+        args: dict[int, list[str]] = {}
+        for d, _ in deltas:
+            for tc in d.get("tool_calls", ()):
+                entry = args.setdefault(tc["index"], ["", ""])
+                entry[0] += tc.get("function", {}).get("name", "")
+                entry[1] += tc["function"].get("arguments", "")
+        got = (content, [tuple(v) for _, v in sorted(args.items())] or None, deltas[-1][1])
+        assert [r for _, r in deltas[:-1]] == [None] * (len(deltas) - 1)
+        assert got == (want[0], [(t.function.name, t.function.arguments) for t in want[1]] if want[1] else None,
+                       want[2])
