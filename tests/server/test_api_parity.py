@@ -218,7 +218,8 @@ def test_prompt_logprobs_vllm_shape(psrv):
     assert _last_params(psrv).prompt_logprobs == 2
     r = _post(psrv.url, C, {**P, "prompt": "w1 w2 w5", "prompt_logprobs": 1, "echo": True, "logprobs": 3})
     assert r.json()["choices"][0]["prompt_logprobs"][2] == {  # the engine's top 3 tells w5's rank
-        w3: {"logprob": -0.5, "rank": 1, "decoded_token": "w3"}, w5: {"logprob": -2.0, "rank": 3, "decoded_token": "w5"}}
+        w3: {"logprob": -0.5, "rank": 1, "decoded_token": "w3"},
+        w5: {"logprob": -2.0, "rank": 3, "decoded_token": "w5"}}
     # not asked for: no field at all
     assert "prompt_logprobs" not in _post(psrv.url, C, P).json()["choices"][0]
 
