@@ -30,6 +30,7 @@ def token_ladder(max_tokens: int) -> list[int]:
 class Buckets:
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_draft_tokens: int = 0  # speculative decoding: draft tokens a step may verify
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < MIN_TOKENS:
@@ -49,6 +50,11 @@ class Buckets:
     def num_seqs(self, num_tokens: int) -> int:
         """Sequence slots S of the step of T = num_tokens tokens."""
         return min(num_tokens, self.max_num_seqs)
+
+    def num_rows(self, num_tokens: int) -> int:
+        """Sampled rows of the step of T = num_tokens tokens: one per sequence, plus one per
+        draft token being verified (never more than the tokens)."""
+        return min(num_tokens, self.num_seqs(num_tokens) + self.max_draft_tokens)
 
     def all_shapes(self) -> list[tuple[int, int]]:
         """(T, S) of every compiled step."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedjax.speculative import SpeculativeConfig
+
 KV_CACHE_KINDS = ("paged", "dense")
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV memory on the CPU backend
 ACCELERATOR_KV_FRACTION = 0.8  # of the device memory left after weights
@@ -25,6 +27,8 @@ class EngineConfig:
     scan_layers: bool | None = None  # None: scan on accelerators, unrolled on CPU (models.loader)
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over ("model" axis)
     data_parallel_size: int = 1  # ranks with their own block pool and rows ("data" axis); num_blocks, max_num_seqs per rank
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def positive(name, value):
@@ -40,6 +44,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 16, got {self.max_num_batched_tokens}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

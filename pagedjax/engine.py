@@ -28,6 +28,7 @@ from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
+from pagedjax.speculative import propose
 from pagedjax.token_mask import TokenMask
 
 
@@ -94,7 +95,10 @@ class LLMEngine:
         self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None
                                  else int(cfg.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_token)
         max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
-        self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens)
+        self.spec = cfg.speculative_config  # SpeculativeConfig or None
+        # a step verifies at most k drafts for each of up to 16 requests (sampled rows beyond one per sequence)
+        max_drafts = self.spec.num_speculative_tokens * min(max_seqs, 16) if self.spec else 0
+        self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens, max_drafts)
         # one block pool and scheduler per data-parallel rank; num_blocks and max_num_seqs are per rank
         self.pools = [BlockPool(cfg.num_blocks, block_size, cfg.enable_prefix_caching and not dense)
                       for _ in range(cfg.data_parallel_size)]
@@ -120,6 +124,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_prompt_tokens = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, accepted, request-steps that verified
+        self.num_accepted_draft_tokens = 0
+        self.num_verify_steps = 0
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
 
@@ -195,10 +202,11 @@ class LLMEngine:
         for rank, out in enumerate(outs):
             if out is None:
                 continue
+            first = out.row_offsets()
             for i, (req, start, q) in enumerate(zip(out.requests, out.starts, out.q_lens)):
                 seq = self._seq_of.get(req.request_id)
                 if seq is not None and seq.mask is not None and start + q >= req.num_tokens:
-                    seq.mask.fill(bitmask[rank * rows + i], req.output_token_ids)
+                    seq.mask.fill(bitmask[rank * rows + first[i]], req.output_token_ids)
 
     def _collect_prompt_logprobs(self, outs, plp) -> None:
         """Stores the prompt logprobs the step computed for the requests that asked."""
@@ -250,6 +258,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one model step; returns the outputs of requests that changed."""
         budget = self.runner.ready_tokens() or self.buckets.max_num_batched_tokens
+        if self.spec is not None:
+            self._propose_drafts()
         outs = []
         for sched in self.schedulers:
             sched.token_budget = budget
@@ -261,38 +271,40 @@ class LLMEngine:
             self._collect_prompt_logprobs(outs, result.prompt)
         self.num_steps += 1
         produced = []
-        rows = len(result.tokens) // len(outs)  # sampler rows per data rank (S of the step)
+        rows = len(result.tokens) // len(outs)  # sampled rows per data rank (R of the step)
         for rank, (sched, out) in enumerate(zip(self.schedulers, outs)):
             if out is None:
                 continue
             self.num_computed_prompt_tokens += out.num_prefill_tokens
-            base = rank * rows  # rank r's rows of the step: [r * rows, r * rows + len(out.requests))
-            tokens = result.tokens[base:base + len(out.requests)].tolist()
-            produced += [(req, base + row, tok) for req, row, tok in sched.update(out, tokens)]
+            first = [rank * rows + r for r in out.row_offsets()]  # each entry's first sampled row
+            emitted = [self._emitted(result, out, i, row) for i, row in enumerate(first)]
+            produced += [(req, first[i], tokens) for req, i, tokens in sched.update(out, emitted)]
         touched: dict[str, _Group] = {}
         beams_touched: dict[int, BeamGroup] = {}
         now = time.monotonic()
-        for req, row, token in produced:
-            if token is None:  # max_tokens=0: the prompt is scored, nothing generated
+        for req, row, tokens in produced:
+            if tokens is None:  # max_tokens=0: the prompt is scored, nothing generated
                 touched[req.request_id] = self._group_of[req.request_id]
                 continue
-            if req.params.logprobs is not None:
-                k = req.params.logprobs
-                entry = {int(t): float(lp) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])}
-                entry[token] = float(result.logprobs[row])
-                req.output_logprobs.append(entry)
             if req.beam_group is not None:
+                self._append_logprobs(req, result, row, tokens[0])
                 beams_touched[id(req.beam_group)] = req.beam_group
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            self.num_generated_tokens += 1
-            self.schedulers[req.dp_rank].check_stop(req, token)
             seq = self._seq_of[req.request_id]
-            if seq.mask is not None:
-                self._advance_mask(seq, token)
-            if seq.detok is not None:
-                self._append_text(seq, token)
+            before = len(req.output_token_ids) - len(tokens)
+            for j, token in enumerate(tokens):  # several with speculative decoding
+                if req.is_finished:  # ended by an earlier token of this step: the rest never happened
+                    del req.output_token_ids[len(req.output_token_ids) - (len(tokens) - j):]
+                    break
+                self._append_logprobs(req, result, row + j, token)
+                self.num_generated_tokens += 1
+                self.schedulers[req.dp_rank].check_stop(req, token, before + j + 1)
+                if seq.mask is not None:
+                    self._advance_mask(seq, token)
+                if seq.detok is not None:
+                    self._append_text(seq, token)
             touched[req.request_id] = self._group_of[req.request_id]
         for bg in beams_touched.values():
             if bg.ready():
@@ -320,6 +332,46 @@ class LLMEngine:
         rank = self.router.route(group.root)
         self.schedulers[rank].add(group.root)
         self._beam_groups[request_id] = group
+
+    def _propose_drafts(self) -> None:
+        """Prompt-lookup drafts for every running request about to decode (not for beams,
+        nor for requests whose penalties or token masks depend on each token before it)."""
+        spec = self.spec
+        for sched in self.schedulers:
+            for req in sched.running:
+                p = req.params
+                if (req.num_tokens - req.num_computed_tokens == 1 and req.output_token_ids and req.beam_group is None
+                        and not p.uses_penalties and not p.uses_token_mask):
+                    req.draft_token_ids = propose(np.asarray(req.all_token_ids), spec.num_speculative_tokens,
+                                                  spec.prompt_lookup_min, spec.prompt_lookup_max)
+                else:
+                    req.draft_token_ids = []
+
+    def _emitted(self, result, out, i: int, row: int) -> list[int]:
+        """The tokens entry i of `out` emits: its sampled token, or with drafts the accepted
+        drafts and then the redraw at the first rejected one (or the sample after the last)."""
+        n = out.num_drafts(i)
+        if not n:
+            return [int(result.tokens[row])]
+        drafts, tokens = out.drafts[i], []
+        for j in range(n):
+            if not result.accepted[row + j]:
+                tokens.append(int(result.resampled[row + j]))
+                break
+            tokens.append(drafts[j])
+        else:
+            tokens.append(int(result.tokens[row + n]))
+        self.num_draft_tokens += n
+        self.num_accepted_draft_tokens += len(tokens) - 1
+        self.num_verify_steps += 1
+        return tokens
+
+    def _append_logprobs(self, req: Request, result, row: int, token: int) -> None:
+        if req.params.logprobs is not None:
+            k = req.params.logprobs
+            entry = {int(t): float(lp) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])}
+            entry[token] = float(result.logprobs[row])
+            req.output_logprobs.append(entry)
 
     def _advance_mask(self, seq: _Sequence, token: int) -> None:
         """Feeds the sampled token to the sequence's grammar; a finished grammar stops it."""
@@ -419,6 +471,11 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "num_computed_prompt_tokens": self.num_computed_prompt_tokens,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_draft_tokens,
+            "spec_acceptance_rate": self.num_accepted_draft_tokens / max(self.num_draft_tokens, 1),
+            # tokens a request gets from a step that verifies drafts (1 without speculation)
+            "spec_mean_tokens_per_step": 1 + self.num_accepted_draft_tokens / max(self.num_verify_steps, 1),
             "kv_cache": self.config.kv_cache,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},

@@ -85,11 +85,11 @@ class ModelRunner:
         self.penalty_slots = [PenaltySlots(buckets.max_num_seqs) for _ in range(self.dp)]
         self.penalties = init_penalty_state(self.dp * buckets.max_num_seqs, self.vocab_size, self._rows_by_rank)
         self._pending_loads: list[tuple] = []  # load_slot calls to run before the next sampler
-        self._all_allowed: dict[int, jax.Array] = {}  # S -> [dp * S, W] int32 of ones, on device
+        self._all_allowed: dict[int, jax.Array] = {}  # R -> [dp * R, W] int32 of ones, on device
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._sample = jax.jit(self._sample_fn, donate_argnums=(3,))
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
-        self._samplers: dict[int, object] = {}  # S -> compiled sampler
+        self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
         self._compile_lock = threading.Lock()
         self._warmup_thread: threading.Thread | None = None
         self._stop_warmup = threading.Event()
@@ -132,7 +132,7 @@ class ModelRunner:
                 spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._by_rank)
                 specs = jax.tree.map(spec, (inputs, copies))
                 lowered = self._step.lower(*self._specs, *specs)
-                s = self.buckets.num_seqs(t)
+                s = self.buckets.num_rows(t)
                 if s not in self._samplers:
                     logits = jax.ShapeDtypeStruct((self.dp * s, self.vocab_size), jnp.float32,
                                                   sharding=self._rows_by_rank)
@@ -225,26 +225,29 @@ class ModelRunner:
     def prepare(self, outs: list[SchedulerOutput | None], t: int | None = None):
         """Numpy inputs of one step, packed and padded to its bucket: (T, StepInputs,
         SamplingInputs, copy-on-write arrays). outs has one entry per data rank; rank r owns
-        tokens [r * T, (r + 1) * T) and sequence rows [r * S, (r + 1) * S), with its own
-        local offsets, slots and block ids (its own pool). t: the bucket (default: the
-        smallest that fits)."""
+        tokens [r * T, (r + 1) * T), sequence rows [r * S, (r + 1) * S) and sampled rows
+        [r * R, (r + 1) * R) (R = S plus the step's draft budget: an entry verifying drafts
+        samples one row per position), with its own local offsets, slots and block ids (its
+        own pool). t: the bucket (default: the smallest that fits)."""
         t, s = self.step_shape(outs) if t is None else (t, self.buckets.num_seqs(t))
+        r = self.buckets.num_rows(t)
         dp, bs = len(outs), self.block_size
         tokens, positions = np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32)
         slots = np.full(dp * t, -1, np.int32)
         tables = np.zeros((dp * s, self.max_blocks_per_seq), np.int32)
         kv_lens, cu = np.zeros(dp * s, np.int32), np.zeros(dp * (s + 1), np.int32)
-        logits_indices = np.zeros(dp * s, np.int32)
+        logits_indices = np.zeros(dp * r, np.int32)
         prompt_next = np.full(dp * t, -1, np.int32)
-        sampling = _SamplingArrays(dp * s)
+        sampling = _SamplingArrays(dp * r)
         src, dst = np.zeros(dp * s, np.int32), np.full(dp * s, self.cache.num_blocks, np.int32)
         for rank, out in enumerate(outs):
             if out is None:
                 continue
             t0, s0, c0 = rank * t, rank * s, rank * (s + 1)  # this rank's first token, row, offset
-            off = 0
+            off, sample_row = 0, rank * r
             for i, (req, start, ql) in enumerate(zip(out.requests, out.starts, out.q_lens)):
                 blocks = req.block_ids
+                drafts = out.drafts[i] if out.drafts else ()
                 row = s0 + i
                 tables[row, :len(blocks)] = blocks
                 if ql == 1:
@@ -254,7 +257,8 @@ class ModelRunner:
                         slots[t0 + off] = blocks[start // bs] * bs + start % bs
                 else:
                     pos = np.arange(start, start + ql, dtype=np.int32)
-                    tokens[t0 + off:t0 + off + ql] = req.token_slice(start, start + ql)
+                    tokens[t0 + off:t0 + off + ql] = ([req.token_at(start), *drafts] if drafts
+                                                      else req.token_slice(start, start + ql))
                     positions[t0 + off:t0 + off + ql] = pos
                     slots[t0 + off:t0 + off + ql] = np.where(pos >= req.num_shared_kv_tokens,
                                                              tables[row, pos // bs] * bs + pos % bs, -1)
@@ -262,9 +266,14 @@ class ModelRunner:
                 if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                     prompt_next[t0 + off - ql:t0 + off] = prompt_logprobs.next_tokens(req.prompt_token_ids, start, ql)
                 kv_lens[row], cu[c0 + i + 1] = start + ql, off
-                logits_indices[row] = off - 1  # the sequence's last token, among its rank's tokens
-                sampling.fill(row, req, produces=start + ql >= req.num_tokens,
-                              slot=self._penalty_slot(rank, req) if req.params.uses_penalties else -1)
+                # the sequence's last token (with drafts: each of its positions), among its rank's tokens
+                n = len(drafts) + 1
+                logits_indices[sample_row:sample_row + n] = np.arange(off - n, off)
+                slot = self._penalty_slot(rank, req) if req.params.uses_penalties else -1
+                for j in range(n):
+                    sampling.fill(sample_row + j, req, produces=start + ql >= req.num_tokens, slot=slot, offset=j,
+                                  draft_next=drafts[j] if j < n - 1 else -1)
+                sample_row += n
             cu[c0 + len(out.requests) + 1:c0 + s + 1] = off
             if out.copies:
                 src[s0:s0 + len(out.copies)], dst[s0:s0 + len(out.copies)] = zip(*out.copies)
@@ -287,7 +296,8 @@ class ModelRunner:
 
     def execute(self, outs: list[SchedulerOutput | None], fill_masks=None):
         """Runs one step (one SchedulerOutput per data rank); returns the sampler output
-        (numpy), rank r's request i in row r * S + i, with `.prompt` the PromptLogprobs of
+        (numpy), rank r's entry i in row r * R + out.row_offsets()[i] (R: sampled rows per
+        rank, `buckets.num_rows`), with `.prompt` the PromptLogprobs of
         the step's tokens when some request asked for them (else None). Only the token ids
         come back to the host, plus log-probabilities when a request wants them.
 
@@ -295,7 +305,7 @@ class ModelRunner:
         constrained rows; called while the device runs the forward pass."""
         t, inputs, sampling, copies = self.prepare(outs)
         step = self.compile_bucket(t)
-        s = self.buckets.num_seqs(t)
+        s = self.buckets.num_rows(t)
         self.kv, logits, plp = step(self.state, self.kv, inputs, copies)  # dispatched, runs async
         for args in self._pending_loads:
             self.penalties = penalties.load_slot(self.penalties, *args)
@@ -307,10 +317,9 @@ class ModelRunner:
             bitmask = host
         self.penalties, result = self._samplers[s](logits, sampling, bitmask, self.penalties)
         wait = time.perf_counter()
-        if sampling.want_logprobs.any():
-            result = _Result(**{k: to_host(v) for k, v in vars(result).items()})
-        else:
-            result = _Result(to_host(result.tokens))
+        wanted = ["tokens"] + (["logprobs", "top_ids", "top_logprobs"] if sampling.want_logprobs.any() else []) \
+            + (["accepted", "resampled"] if (sampling.draft_next >= 0).any() else [])
+        result = _Result(**{k: to_host(getattr(result, k)) for k in wanted})
         if (inputs.prompt_next >= 0).any():
             result.prompt = jax.tree.map(to_host, plp)
         self.last_wait_s = time.perf_counter() - wait  # host blocked on the device
@@ -330,6 +339,8 @@ class _Result:
     logprobs: np.ndarray | None = None  # [S]
     top_ids: np.ndarray | None = None  # [S, K]
     top_logprobs: np.ndarray | None = None  # [S, K]
+    accepted: np.ndarray | None = None  # [S] bool, with drafts: the row's draft is accepted
+    resampled: np.ndarray | None = None  # [S] int32, with drafts: the token emitted where it is not
     prompt: object = None  # PromptLogprobs (numpy) of the step's tokens, when asked
 
 
@@ -348,11 +359,14 @@ class _SamplingArrays:
         self.penalty_slot = np.full(n, -1, np.int32)
         self.repetition, self.frequency, self.presence = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
         self.produces, self.constrained = np.zeros(n, bool), np.zeros(n, bool)
+        self.draft_next = np.full(n, -1, np.int32)
 
-    def fill(self, row: int, req, produces: bool = True, slot: int = -1) -> None:
+    def fill(self, row: int, req, produces: bool = True, slot: int = -1, offset: int = 0, draft_next: int = -1) -> None:
+        """offset: the row's position among the request's sampled rows (drafts: 1, 2, ...)."""
         p = req.params
         self.temperature[row], self.top_p[row], self.min_p[row], self.top_k[row] = p.temperature, p.top_p, p.min_p, p.top_k
-        self.seed[row], self.step[row] = req.seed & 0xFFFFFFFF, len(req.output_token_ids)
+        self.seed[row], self.step[row] = req.seed & 0xFFFFFFFF, len(req.output_token_ids) + offset
+        self.draft_next[row] = draft_next
         self.want_logprobs[row] = p.logprobs is not None
         self.produces[row] = produces
         if slot >= 0:
@@ -364,4 +378,4 @@ class _SamplingArrays:
     def inputs(self) -> SamplingInputs:
         return SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step,
                               self.want_logprobs, self.penalty_slot, self.repetition, self.frequency, self.presence,
-                              self.produces, self.constrained)
+                              self.produces, self.constrained, self.draft_next)

@@ -36,6 +36,7 @@ class Request:
     reserved_seats: int = 0  # running slots held for sequences this request will fork later
     num_passed: int = 0  # later requests admitted before it while it did not fit (bounded: no starvation)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative guesses of the next tokens
     beam_group: object = None  # the BeamGroup this request is a beam of, if any
     dp_rank: int = 0  # the data-parallel rank whose block pool and scheduler hold this request
     status: RequestStatus = RequestStatus.WAITING

@@ -35,6 +35,7 @@ class SamplingInputs:
     presence: jax.Array | None = None  # float32
     produces: jax.Array | None = None  # bool, the sampled token is kept (the row computed all it had to)
     constrained: jax.Array | None = None  # bool, the row's bitmask is not all ones
+    draft_next: jax.Array | None = None  # int32, the draft token after this row's position (-1: none)
 
 
 @jax.tree_util.register_dataclass
@@ -44,6 +45,8 @@ class SamplerOutput:
     logprobs: jax.Array  # [S] float32, logprob of the sampled token
     top_ids: jax.Array  # [S, K] int32
     top_logprobs: jax.Array  # [S, K] float32
+    accepted: jax.Array | None = None  # [S] bool: the row's draft_next is accepted
+    resampled: jax.Array | None = None  # [S] int32: the token to emit where the draft is rejected
 
 
 def _filtered_logits(logits, p: SamplingInputs):
@@ -53,10 +56,13 @@ def _filtered_logits(logits, p: SamplingInputs):
     x = logits / temp[:, None]
     desc = -jnp.sort(-x, axis=-1)  # [S, V]
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, v), v)
-    desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
+    in_top_k = jnp.arange(v)[None, :] < k[:, None]
+    desc = jnp.where(in_top_k, desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
-    keep = (before < p.top_p[:, None]) & (probs >= p.min_p[:, None] * probs[:, :1])
+    # in_top_k: past the top k, `before` may round to just under top_p = 1 (it once let
+    # every token through: the threshold became -inf)
+    keep = in_top_k & (before < p.top_p[:, None]) & (probs >= p.min_p[:, None] * probs[:, :1])
     keep = keep.at[:, 0].set(True)
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)  # smallest kept logit
     return jnp.where(x >= threshold[:, None], x, -jnp.inf)
@@ -83,9 +89,47 @@ def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int
                      lambda: logits)
     x = jax.lax.cond(jnp.any(p.constrained), lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
     out = sample(logits, p, processed=x)
+    if p.draft_next is not None:
+        accepted, resampled = jax.lax.cond(jnp.any(p.draft_next >= 0), lambda: verify_drafts(x, p),
+                                           lambda: (jnp.zeros_like(p.constrained), out.tokens))
+        # the token each row emits: its draft if accepted, else the redraw; the bonus row its sample
+        emitted = jnp.where(p.draft_next >= 0, jnp.where(accepted, p.draft_next, resampled), out.tokens)
+        chosen = jax.lax.cond(jnp.any(p.want_logprobs & (p.draft_next >= 0)),
+                              lambda: jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[:, None],
+                                                          axis=-1)[:, 0],
+                              lambda: out.logprobs)
+        out = SamplerOutput(out.tokens, chosen, out.top_ids, out.top_logprobs, accepted, resampled)
     state = jax.lax.cond(penalized, lambda: count_sampled(state, p.penalty_slot, out.tokens, p.produces, dp),
                          lambda: state)
     return state, out
+
+
+def _keys(p: SamplingInputs, salt: int):
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), salt))(p.seed, p.step)
+
+
+def verify_drafts(x0, p: SamplingInputs):
+    """Speculative verification, rows with a draft (p.draft_next >= 0): x0 [S, V] the
+    processed logits -> (accepted [S] bool, resampled [S] int32). Greedy rows accept the
+    draft when it is the argmax (else the argmax is emitted); sampled rows accept it with the
+    target probability of the draft (after temperature and filters) and otherwise draw from
+    the target distribution without the draft: the emitted token is distributed exactly as
+    the target model's (rejection sampling with a point-mass proposal)."""
+    has = p.draft_next >= 0
+    d = jnp.maximum(p.draft_next, 0)
+    greedy = jnp.argmax(x0, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        x = _filtered_logits(x0, p)
+        p_draft = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), d[:, None], axis=-1)[:, 0]
+        u = jax.vmap(jax.random.uniform)(_keys(p, 1))
+        without = jnp.where(jnp.arange(x.shape[-1])[None, :] == d[:, None], -jnp.inf, x)
+        redraw = jax.vmap(jax.random.categorical)(_keys(p, 2), without).astype(jnp.int32)
+        hot = p.temperature > 0
+        return jnp.where(hot, u < p_draft, greedy == d), jnp.where(hot, redraw, greedy)
+
+    accepted, resampled = jax.lax.cond(jnp.any(has & (p.temperature > 0)), sampled, lambda: (greedy == d, greedy))
+    return accepted & has, resampled
 
 
 def sample(logits, p: SamplingInputs, processed=None) -> SamplerOutput:

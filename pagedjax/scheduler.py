@@ -35,6 +35,20 @@ class SchedulerOutput:
     q_lens: list[int]
     num_decode: int
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    # speculative decoding: the draft tokens each entry verifies after its decode token (its
+    # q_len is 1 + len(drafts)); empty when no entry of the step has drafts
+    drafts: list[list[int]] = field(default_factory=list)
+
+    def num_drafts(self, i: int) -> int:
+        return len(self.drafts[i]) if self.drafts else 0
+
+    def row_offsets(self) -> list[int]:
+        """Each entry's first sampled row within its rank: one row per entry, plus one per draft."""
+        rows, r = [], 0
+        for i in range(len(self.requests)):
+            rows.append(r)
+            r += 1 + self.num_drafts(i)
+        return rows
 
     @property
     def has_prefill(self) -> bool:
@@ -105,15 +119,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         self._copies = []
         budget = min(self.token_budget, self.buckets.max_num_batched_tokens)
-        decode = self._schedule_decode(budget)
-        reqs, starts, q_lens = self._schedule_prefill(budget - len(decode))
+        decode, drafts = self._schedule_decode(budget)
+        decode_tokens = len(decode) + sum(len(d) for d in drafts)
+        reqs, starts, q_lens = self._schedule_prefill(budget - decode_tokens)
         if not decode and not reqs:
             return None
-        if q_lens and (cut := self._trim_to_rung(len(decode) + sum(q_lens), q_lens[-1])):
+        if q_lens and (cut := self._trim_to_rung(decode_tokens + sum(q_lens), q_lens[-1])):
             q_lens[-1] -= cut
             self._release_tail(reqs[-1], starts[-1] + q_lens[-1])
         return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
-                               [1] * len(decode) + q_lens, len(decode), self._copies)
+                               [1 + len(d) for d in drafts] + q_lens, len(decode), self._copies,
+                               drafts + [[]] * len(reqs) if any(drafts) else [])
 
     def _release_tail(self, req: Request, end: int) -> None:
         """Returns req's blocks past token position `end` to the pool (allocated for tokens
@@ -200,20 +216,31 @@ class Scheduler:
             budget -= q
         self.waiting.extendleft(reversed(skipped))
 
-    def _schedule_decode(self, budget: int) -> list[Request]:
-        """Running requests with exactly one token to go, their next slot ready (at most
-        `budget` of them)."""
-        decode, i = [], 0
-        while i < len(self.running) and len(decode) < budget:
+    def _schedule_decode(self, budget: int) -> tuple[list[Request], list[list[int]]]:
+        """Running requests with exactly one token to go, their next slots ready, and the
+        draft tokens each verifies after it (within `budget` tokens and the step's draft
+        budget; drafts are dropped before anything is preempted)."""
+        decode, drafts, i, used = [], [], 0, 0
+        draft_budget = self.buckets.max_draft_tokens
+        while i < len(self.running) and used < budget:
             req = self.running[i]
-            if req.num_tokens - req.num_computed_tokens != 1:
+            start = req.num_computed_tokens
+            if req.num_tokens - start != 1:
                 i += 1
-            elif self._grow(req, req.num_computed_tokens, 1):
-                decode.append(req)
+                continue
+            room = min(draft_budget, budget - used - 1, self.max_model_len - start - 1,
+                       req.params.max_tokens - len(req.output_token_ids) - 1)
+            d = req.draft_token_ids[:max(room, 0)]
+            if d and not self._grow(req, start, 1 + len(d)):
+                d = []  # no room for the drafts: verify none rather than preempt
+            if d or self._grow(req, start, 1):
+                decode.append(req), drafts.append(d)
+                used += 1 + len(d)
+                draft_budget -= len(d)
                 i += 1
             else:  # the newest running request gives way (possibly req itself)
                 self._preempt(self.running[-1])
-        return decode
+        return decode, drafts
 
     def num_seats_taken(self) -> int:
         """Running sequences plus the seats they hold for sequences they will fork."""
@@ -259,6 +286,7 @@ class Scheduler:
         self._release_inflight(req)
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
+        req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.num_shared_kv_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -323,13 +351,18 @@ class Scheduler:
                 del self._inflight[key]
 
     # -- after the step -------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
-        """Advances counters; returns (request, its index in out.requests, new token) for
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int, list[int] | None]]:
+        """Advances counters; returns (request, its index in out.requests, new tokens) for
         requests that completed their pending tokens (partial prefill chunks produce none;
-        a max_tokens=0 request finishes with token None)."""
+        a max_tokens=0 request finishes with None). sampled: each entry's tokens, one, or
+        with drafts the accepted drafts plus one (only the verified positions count as
+        computed; blocks past them go back to the pool)."""
         produced = []
-        for i, (req, q, token) in enumerate(zip(out.requests, out.q_lens, sampled)):
-            req.num_computed_tokens += q
+        for i, (req, q, tokens) in enumerate(zip(out.requests, out.q_lens, sampled)):
+            n_drafts = out.num_drafts(i)
+            req.num_computed_tokens += q - n_drafts + len(tokens) - 1
+            if n_drafts:
+                self._release_tail(req, req.num_computed_tokens)
             self._cache_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue
@@ -340,8 +373,8 @@ class Scheduler:
                 continue
             if req.pending_forks:  # n > 1: the prompt is computed; siblings share its blocks
                 self._fork_siblings(req)
-            req.output_token_ids.append(token)
-            produced.append((req, i, token))
+            req.output_token_ids += tokens
+            produced.append((req, i, tokens))
         return produced
 
     def _fork_siblings(self, parent: Request) -> None:
@@ -366,10 +399,13 @@ class Scheduler:
             if self._inflight.get(h) is req:  # waiters hit it from now on
                 del self._inflight[h]
 
-    def check_stop(self, req: Request, token: int) -> None:
-        """Finishes req if `token` ends it (EOS, stop token, max_tokens, max_model_len)."""
+    def check_stop(self, req: Request, token: int, num_output: int | None = None) -> None:
+        """Finishes req if `token` ends it (EOS, stop token, max_tokens, max_model_len).
+        num_output: output tokens up to and including `token` (default: all of them; a
+        step with drafts appends several and checks them one by one)."""
         p = req.params
         if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
             return self.finish(req, "stop", token)
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        n = len(req.output_token_ids) if num_output is None else num_output
+        if n >= p.max_tokens or req.num_prompt_tokens + n >= self.max_model_len:
             self.finish(req, "length")

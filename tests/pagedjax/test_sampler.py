@@ -57,3 +57,14 @@ def test_seeded_samples_do_not_depend_on_the_batch():
     assert alone == together
     other_seed = [int(sample(x, inputs(1, seeds=[43], steps=[s])).tokens[0]) for s in range(5)]
     assert other_seed != alone
+
+
+def test_top_k_holds_when_the_kept_mass_rounds_below_one():
+    """Past the top k, the mass ranked above a token could round to just under top_p = 1.0,
+    which once let every token through (found by the speculative-decoding chi-square test)."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.normal(size=(64, 384)) * 1.5, jnp.float32)
+    top4 = np.argsort(-np.asarray(x), axis=-1)[:, :4]
+    for seeds in range(4):
+        out = sample(x, inputs(64, temperature=0.8, top_k=4, seeds=range(seeds * 64, seeds * 64 + 64)))
+        assert all(t in row for t, row in zip(np.asarray(out.tokens), top4))

@@ -19,9 +19,9 @@ def req(rid, n, max_tokens=8, start=100):
 
 def run_step(s, token=7):
     out = s.schedule()
-    produced = s.update(out, [token] * len(out.requests))
+    produced = s.update(out, [[token]] * len(out.requests))
     for r, _, t in produced:
-        s.check_stop(r, t)
+        s.check_stop(r, t[-1])
     return out
 
 
@@ -89,7 +89,7 @@ def test_prefix_hits_skip_cached_full_blocks():
     assert out.starts == [8] and out.q_lens == [2]  # two full blocks from cache
     assert s.prefix_cache_hit_tokens == 8 and s.prefix_cache_query_tokens == 20
     c = req("c", 8, max_tokens=1)  # exactly two blocks: one token must still be computed
-    s.update(out, [1])
+    s.update(out, [[1]])
     s.add(c)
     out = s.schedule()  # b (still running) decodes in the same step
     assert out.num_decode == 1 and out.starts[1:] == [4] and out.q_lens[1:] == [4]

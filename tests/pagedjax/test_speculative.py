@@ -1,0 +1,130 @@
+"""Speculative decoding with prompt lookup: greedy outputs identical to plain decoding (and to
+transformers), sampled outputs distributed exactly as the target model's, every block back."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.sampler import SamplingInputs, verify_drafts
+from pagedjax.speculative import SpeculativeConfig, propose
+from tiny_models import hf_greedy
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    pattern = rng.integers(2, 384, 7).tolist()
+    return [pattern * 4, rng.integers(2, 384, 23).tolist(), (pattern[:3] + [9]) * 5 + [11], [5, 6, 7]]
+
+
+def test_propose_finds_the_latest_longest_match():
+    t = np.array([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert propose(t, 3, 1, 3) == [4, 5, 9]
+    assert propose(np.array([1, 2, 8, 1, 2, 7, 1, 2]), 2, 1, 2) == [7, 1]  # most recent match wins
+    assert propose(np.array([5, 6, 7]), 3, 1, 3) == []
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig.parse({"method": "ngram"})
+    with pytest.raises(ValueError, match="not supported"):
+        SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="exceeds"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_outputs_are_identical_with_and_without_speculation(family, tiny_checkpoints):
+    path, hf_model = tiny_checkpoints(family)
+    prompts = _prompts()
+    kw = dict(max_num_seqs=4, max_model_len=256, block_size=8, num_blocks=96, max_num_batched_tokens=64,
+              warmup=False)
+    spec = LLM(str(path), speculative_config=SPEC, **kw)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
+    outs = spec.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 40) for p in prompts]
+    stats = spec.stats()
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["spec_mean_tokens_per_step"] > 1.2
+    assert stats["kv_blocks_free"] == 96
+    plain = LLM(str(path), **kw).generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(outs, plain):  # logprobs of each emitted token as plain decoding gives them
+        for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            assert list(da.values()) == pytest.approx(list(db.values()), abs=1e-4)
+
+
+def test_speculation_with_preemption_forks_stops_and_max_tokens(tiny_checkpoints):
+    path, hf_model = tiny_checkpoints("llama")
+    prompts = _prompts()
+    llm = LLM(str(path), speculative_config=SPEC, max_num_seqs=6, max_model_len=256, block_size=8, num_blocks=20,
+              max_num_batched_tokens=32, warmup=False)
+    want = [hf_greedy(hf_model, p, 30) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_accepted_tokens"] > 0
+    # n=2 greedy forks, each speculating on its own
+    two = llm.generate([prompts[0]], SamplingParams(max_tokens=12, n=2, ignore_eos=True), use_tqdm=False)[0]
+    assert [o.token_ids for o in two.outputs] == [want[0][:12]] * 2
+    # a stop token in the middle of accepted drafts ends the output there; max_tokens is never exceeded
+    stop = want[0][7]
+    cut = llm.generate([prompts[0]], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.token_ids == want[0][:want[0].index(stop) + 1] and cut.finish_reason == "stop"
+    for m in (1, 2, 5, 9):
+        o = llm.generate([prompts[0]], SamplingParams(max_tokens=m, ignore_eos=True), use_tqdm=False)[0]
+        assert o.outputs[0].token_ids == want[0][:m]
+    assert llm.stats()["kv_blocks_free"] == 20
+
+
+def test_verification_keeps_the_target_distribution():
+    """Many rows with the same logits and a draft: the emitted token (the draft if accepted,
+    else the redraw) is distributed as softmax(logits / T) after top-k, whatever the draft."""
+    n, v = 20000, 6
+    logits = jnp.asarray(np.tile([[2.0, 1.5, 0.3, -0.5, 1.0, -3.0]], (n, 1)), jnp.float32)
+    for draft, temp, top_k in ((0, 1.0, 0), (3, 1.0, 0), (1, 0.7, 3), (5, 1.3, 0)):
+        p = SamplingInputs(jnp.full(n, temp), jnp.full(n, top_k, jnp.int32), jnp.ones(n), jnp.zeros(n),
+                           jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), jnp.zeros(n, bool),
+                           draft_next=jnp.full(n, draft, jnp.int32))
+        accepted, resampled = jax.jit(verify_drafts)(logits, p)
+        emitted = np.where(np.asarray(accepted), draft, np.asarray(resampled))
+        x = np.asarray(logits[0], np.float64) / temp
+        if top_k:
+            x = np.where(x >= np.sort(x)[-top_k], x, -np.inf)
+        want = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+        got = np.bincount(emitted, minlength=v) / n
+        assert np.abs(got - want).sum() / 2 < 0.015, (draft, temp, got, want)
+
+
+def test_sampled_outputs_follow_the_target_distribution(tiny_checkpoints):
+    """The engine end to end: the second generated token is verified as a draft (the prompt
+    holds most of the vocabulary, so the proposer almost always finds the first token in it)
+    and must follow the model's own distribution given the first (temperature 0.8, top-k 4),
+    computed from its raw logprobs: a chi-square test over many seeds, with and without
+    speculation."""
+    path, _ = tiny_checkpoints("llama")
+    prompt = np.random.default_rng(1).permutation(np.arange(2, 384))[:320].tolist()
+    kw = dict(max_num_seqs=32, max_model_len=384, block_size=16, num_blocks=1024, max_num_batched_tokens=512,
+              warmup=False)
+    n, temp = 800, 0.8
+    params = [SamplingParams(max_tokens=3, temperature=temp, top_k=4, seed=s, ignore_eos=True) for s in range(n)]
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    for cfg in (spec_cfg, None):
+        llm = LLM(str(path), speculative_config=cfg, **kw)
+        pairs = [tuple(o.outputs[0].token_ids[:2]) for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+        if cfg:
+            assert llm.stats()["spec_draft_tokens"] > n // 2
+        chi2, cells = 0.0, 0
+        for t1 in set(p[0] for p in pairs):
+            seen = [p[1] for p in pairs if p[0] == t1]
+            top = llm.generate([prompt + [t1]], SamplingParams(max_tokens=1, logprobs=20), use_tqdm=False)
+            raw = sorted(top[0].outputs[0].logprobs[0].items(), key=lambda kv: -kv[1])[:4]
+            x = np.array([lp for _, lp in raw]) / temp
+            q = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+            assert set(seen) <= {t for t, _ in raw}, (cfg, t1, raw, seen[:20])  # only the top 4 are ever drawn
+            for (t, _), prob in zip(raw, q):
+                expected = prob * len(seen)
+                if expected > 0:
+                    chi2 += (seen.count(t) - expected) ** 2 / expected
+                    cells += 1
+        df = cells - len(set(p[0] for p in pairs))
+        assert chi2 < df + 5 * np.sqrt(2 * df), (cfg, chi2, df)
