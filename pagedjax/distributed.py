@@ -74,6 +74,10 @@ class LeaderEngine:
         self.engine.add_request(request_id, prompt, params, cache_salt)  # raises before anything is logged
         self._calls.append(("add", request_id, prompt, params, cache_salt))
 
+    def add_beam_search(self, request_id, prompt, params) -> None:
+        self.engine.add_beam_search(request_id, prompt, params)
+        self._calls.append(("add_beam", request_id, prompt, params))
+
     def abort_request(self, request_id) -> None:
         self.engine.abort_request(request_id)
         self._calls.append(("abort", request_id))
@@ -105,6 +109,9 @@ def follow(engine) -> None:
                 return
             if call[0] == "add":
                 engine.add_request(*call[1:])
+            elif call[0] == "add_beam":
+                engine.add_beam_search(*call[1:])
             else:
                 engine.abort_request(call[1])
         engine.step()
+        engine.finished_beam_searches.clear()  # only the leader answers

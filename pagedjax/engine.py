@@ -29,7 +29,7 @@ from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.speculative import propose
-from pagedjax.token_mask import TokenMask
+from pagedjax.token_mask import MaskRules, TokenMask
 
 
 @dataclass(slots=True, eq=False)
@@ -156,7 +156,7 @@ class LLMEngine:
             raise ValueError(f"{self.model_name} has no tokenizer: stop strings cannot be matched")
         text, ids = self._tokenize(prompt)
         self._check_token_ids(params)
-        masks = [self._token_mask(params) for _ in range(params.n)] if params.uses_token_mask else [None] * params.n
+        masks = self._token_masks(params) if params.uses_token_mask else [None] * params.n
         group = _Group(request_id, text, ids, params)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
@@ -186,15 +186,17 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
-    def _token_mask(self, params: SamplingParams) -> TokenMask:
-        """One sequence's TokenMask (a fresh grammar matcher with structured outputs)."""
+    def _token_masks(self, params: SamplingParams) -> list[TokenMask]:
+        """A TokenMask per sequence: the request's rules built once, a grammar matcher each."""
         matcher = None
         if params.structured_outputs is not None:
             if self.grammar_compiler is None:
                 raise ValueError(f"{self.model_name} has no tokenizer: structured outputs need one")
             matcher = self.grammar_compiler.matcher(params.structured_outputs)
-        stop_ids = () if params.ignore_eos else self.eos_token_ids
-        return TokenMask(params, self.runner.vocab_size, stop_ids, self.tokenizer, matcher)
+        rules = MaskRules(params, self.runner.vocab_size, self.eos_token_ids, self.tokenizer)
+        if params.ignore_eos:
+            rules.min_token_bans = tuple(params.stop_token_ids)
+        return [TokenMask(rules, matcher if i == 0 or matcher is None else matcher.fork()) for i in range(params.n)]
 
     def _fill_masks(self, outs, bitmask, rows: int) -> None:
         """Writes the token masks of the constrained sequences of the step (runner callback,
@@ -437,6 +439,7 @@ class LLMEngine:
                              g.seqs[0].req.num_cached_tokens, prompt_lps)
 
     def _forget(self, seq: _Sequence) -> None:
+        self.runner.release_penalty_slot(seq.req)
         self._seq_of.pop(seq.req.request_id, None)
         self._group_of.pop(seq.req.request_id, None)
 

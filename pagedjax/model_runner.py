@@ -30,7 +30,7 @@ from pagedjax.parallel import make_mesh, replicated
 from pagedjax import penalties, prompt_logprobs
 from pagedjax.penalties import PenaltySlots, init_penalty_state
 from pagedjax.sampler import SamplingInputs, sample_step
-from pagedjax.token_mask import bitmask_words
+from pagedjax.token_mask import bitmask_words, mask_needed
 from pagedjax.scheduler import SchedulerOutput
 
 
@@ -289,6 +289,10 @@ class ModelRunner:
                                                             req.params.logit_bias)
         return slot
 
+    def release_penalty_slot(self, req) -> None:
+        """Gives back a finished request's penalty slot (if it holds one)."""
+        self.penalty_slots[req.dp_rank].release(req)
+
     def _idle_inputs(self, t: int):
         """Inputs of a step of t tokens (per data rank) that computes nothing anyone reads
         (compiling, tests)."""
@@ -373,7 +377,7 @@ class _SamplingArrays:
             self.penalty_slot[row] = slot
             self.repetition[row], self.frequency[row], self.presence[row] = (p.repetition_penalty, p.frequency_penalty,
                                                                              p.presence_penalty)
-        self.constrained[row] = produces and p.uses_token_mask
+        self.constrained[row] = produces and p.uses_token_mask and mask_needed(req)
 
     def inputs(self) -> SamplingInputs:
         return SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step,

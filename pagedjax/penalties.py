@@ -137,6 +137,11 @@ class PenaltySlots:
         self._slot_of[req] = slot
         return slot, True
 
+    def release(self, req) -> None:
+        slot = self._slot_of.pop(req, None)
+        if slot is not None:
+            self._free.append(slot)
+
     def _reclaim(self) -> None:
         for req, slot in list(self._slot_of.items()):
             if req.status.value != "running":

@@ -34,13 +34,20 @@ def compute(logits_fn, hidden, prompt_next, dp: int = 1) -> PromptLogprobs:
     t = n // dp
     c = next(c for c in (CHUNK, 64, 32, 16, 8, 4, 2, 1) if t % c == 0)
 
+    k = min(MAX_LOGPROBS, jax.eval_shape(logits_fn, hidden[:1]).shape[-1])
+
     def chunk(args):
         h, nxt = args  # [dp, c, E], [dp, c]
-        lp = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [dp, c, V]
-        k = min(MAX_LOGPROBS, lp.shape[-1])
-        top_lp, top_ids = jax.lax.top_k(lp, k)
-        chosen = jnp.take_along_axis(lp, jnp.maximum(nxt, 0)[..., None], axis=-1)[..., 0]
-        return chosen, top_ids.astype(jnp.int32), top_lp
+
+        def compute():
+            lp = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [dp, c, V]
+            top_lp, top_ids = jax.lax.top_k(lp, k)
+            chosen = jnp.take_along_axis(lp, jnp.maximum(nxt, 0)[..., None], axis=-1)[..., 0]
+            return chosen, top_ids.astype(jnp.int32), top_lp
+
+        skip = lambda: (jnp.zeros(nxt.shape, jnp.float32), jnp.zeros((*nxt.shape, k), jnp.int32),
+                        jnp.zeros((*nxt.shape, k), jnp.float32))
+        return jax.lax.cond(jnp.any(nxt >= 0), compute, skip)  # chunks nobody asked about cost nothing
 
     def run():
         h = hidden.reshape(dp, t // c, c, e).transpose(1, 0, 2, 3)  # [chunks, dp, c, E]
@@ -50,7 +57,6 @@ def compute(logits_fn, hidden, prompt_next, dp: int = 1) -> PromptLogprobs:
         return PromptLogprobs(back(chosen), back(ids), back(lps))
 
     def zeros():
-        k = min(MAX_LOGPROBS, jax.eval_shape(logits_fn, hidden[:1]).shape[-1])
         return PromptLogprobs(jnp.zeros(n, jnp.float32), jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32))
 
     return jax.lax.cond(jnp.any(prompt_next >= 0), run, zeros)

@@ -50,13 +50,15 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
 
     def key(self) -> str:
-        """A stable text key of the constraint (compiled grammars are cached by it)."""
+        """A stable digest of the constraint (compiled grammars are cached by it)."""
+        import hashlib
         import json as _json
 
         kind = next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
             if not self.json_object else "json_object"
         value = getattr(self, kind)
-        return kind + ":" + (_json.dumps(value, sort_keys=True) if not isinstance(value, str) else value)
+        text = kind + ":" + (_json.dumps(value, sort_keys=True) if not isinstance(value, str) else value)
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(slots=True)

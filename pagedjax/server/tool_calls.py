@@ -271,7 +271,7 @@ def _arguments_dict(arguments: str, param: str) -> dict:
         return {}
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
         raise bad_request("tool call arguments must be the JSON text of an object", param)
@@ -372,7 +372,7 @@ class _RequiredParser(_Parser):
                     break
                 try:
                     item, end = self.decoder.raw_decode(self.buf, self.pos)
-                except ValueError:  # incomplete (or invalid: stays so until the end)
+                except (ValueError, RecursionError):  # incomplete (or invalid: stays so until the end)
                     self.tried = len(self.buf)
                     break
                 call = self._call(item)
@@ -459,7 +459,7 @@ def _arguments_text(args: Any) -> str | None:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
 
@@ -502,7 +502,7 @@ class HermesFormat(_CallFormat):
         for m in HermesFormat.BLOCK.finditer(text, start):
             try:
                 call = _named_call(json.loads(m.group(1)), "arguments", "parameters")
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             if call is None:
                 return None
@@ -539,7 +539,7 @@ class Llama3JsonFormat(_CallFormat):
         while pos < len(s):
             try:
                 obj, pos = decoder.raw_decode(s, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             call = _named_call(obj, "parameters", "arguments")
             if call is None:
