@@ -146,4 +146,28 @@ def test_penalties_over_http_equal_the_python_api(server, model):
     want = llm.generate([ids], SamplingParams(max_tokens=10, presence_penalty=1.2, frequency_penalty=0.7,
                                               logit_bias={9: 4.0}, **extra), use_tqdm=False)[0].outputs[0]
     plain = llm.generate([ids], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    assert r.choices[0].text == want.text and want.token_ids != plain.token_ids
+    assert r.choices[0].logprobs.tokens == [plain.tokenizer.decode([t]) for t in want.token_ids] and want.token_ids != plain.token_ids
+
+
+def test_speculative_decoding_over_http(model):
+    """Prompt-lookup speculation behind the server: several tokens arrive in one chunk, the
+    text equals plain greedy decoding, and /metrics counts the drafts."""
+    from pagedjax import LLM, SamplingParams
+    from pagedjax.engine import LLMEngine
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    kw = dict(max_model_len=512, max_num_seqs=4, num_blocks=64, block_size=8, max_num_batched_tokens=64)
+    ids = np.random.default_rng(2).integers(2, 384, 9).tolist() * 4
+    with running_server(LLMEngine(str(model[0]), speculative_config=spec, **kw)) as s:
+        client = openai_client(s.url).with_options(timeout=300)
+        r = client.completions.create(model="fake-model", prompt=ids, max_tokens=30, temperature=0, logprobs=0,
+                                      extra_body={"ignore_eos": True})
+        stream = client.completions.create(model="fake-model", prompt=ids, max_tokens=30, temperature=0,
+                                           stream=True, logprobs=0, extra_body={"ignore_eos": True})
+        per_chunk = [len(c.choices[0].logprobs.tokens) for c in stream if c.choices and c.choices[0].logprobs]
+        assert sum(per_chunk) == 30 and max(per_chunk) > 1  # accepted drafts arrive together
+        assert metric(s.url, "pagedjax:spec_accepted_tokens_total") > 0
+        assert metric(s.url, "pagedjax:kv_blocks_free") == 64
+    plain = LLM(str(model[0]), warmup=False, **kw)
+    want = plain.generate([ids], SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].logprobs.tokens == [plain.tokenizer.decode([t]) for t in want.token_ids]

@@ -1,0 +1,121 @@
+"""Speculative decoding (prompt lookup) on vs off, side by side in one run.
+
+The default model (or --model) answers chat prompts that ask it to repeat, correct or
+continue a given passage (greedy, --max-tokens new tokens), at batch 1 (one request at a
+time) and at batch 8, with and without `speculative_config`; then random-token prompts
+(nothing to copy) show what speculation costs when it cannot help. Prints tokens/s, the
+speed-up, the acceptance rate and whether the outputs are identical; writes JSON.
+
+    python scripts/bench_speculative.py [--model DIR] [--max-tokens 128] [--k 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pagedjax import LLM, SamplingParams
+
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil and a "
+    "rag. He cleaned the great lens until it shone, trimmed the wick, and struck a match. For forty "
+    "years the light had never failed, and the fishermen of the bay steered home by its steady beam.",
+    "To make bread, mix flour, water, salt and yeast in a large bowl. Knead the dough for ten minutes "
+    "until it is smooth and elastic. Let it rise in a warm place for an hour, shape it into a loaf, let "
+    "it rise again, and bake it in a hot oven for about forty minutes until the crust is golden brown.",
+    "Rivers carry water from the mountains to the sea. Along the way they carve valleys, deposit rich "
+    "soil on their banks, and provide water for farms and cities. Many of the oldest civilizations grew "
+    "up beside great rivers, such as the Nile, the Tigris, the Euphrates, the Indus and the Yellow River.",
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+    "members agreed to increase spending on the library and the parks, to keep the road repair budget "
+    "the same, and to postpone the decision about the new community center until the spring meeting.",
+]
+TASKS = [
+    "Repeat the following passage exactly, word for word:\n\n{}",
+    "Correct any spelling mistakes in this passage and return the whole corrected passage:\n\n{}",
+    "Copy this passage, then continue it with one more sentence:\n\n{}",
+]
+
+
+def _misspell(text: str) -> str:
+    swaps = {"the ": "teh ", "every": "evrey", "until": "untill", "water": "watter", "members": "membres"}
+    for a, b in swaps.items():
+        text = text.replace(a, b, 2)
+    return text
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    out = []
+    for i, passage in enumerate(PASSAGES):
+        for j, task in enumerate(TASKS):
+            text = task.format(_misspell(passage) if j == 1 else passage)
+            out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True))
+    return out
+
+
+def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[list[list[int]], float, int]:
+    """(outputs, seconds, tokens) for `prompts` in batches of `batch`."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outs, tokens = [], 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        for o in llm.generate(prompts[i:i + batch], sp, use_tqdm=False):
+            outs.append(o.outputs[0].token_ids)
+            tokens += len(o.outputs[0].token_ids)
+    return outs, time.perf_counter() - start, tokens
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--lookup-max", type=int, default=4)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch-1-prompts", type=int, default=4, help="prompts run one at a time")
+    p.add_argument("--output", default="results/bench_speculative.json")
+    args = p.parse_args(argv)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max}
+    kw = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024, dtype=args.dtype)
+    engines = {"off": LLM(args.model, **kw), "on": LLM(args.model, speculative_config=spec, **kw)}
+    for llm in engines.values():
+        llm.wait_for_warmup()
+    prompts = chat_prompts(engines["off"].tokenizer)
+    rng = np.random.default_rng(0)
+    vocab = len(engines["off"].tokenizer)
+    random_prompts = [rng.integers(100, vocab, size=len(q)).tolist() for q in prompts[:8]]
+    cases = [("copy, batch 1", prompts[:args.batch_1_prompts], 1), ("copy, batch 8", prompts[:8], 8),
+             ("random tokens, batch 8", random_prompts, 8)]
+    results = {"config": vars(args) | {"speculative_config": spec}, "cases": {}}
+    print(f"{'case':24s} {'off tok/s':>10s} {'on tok/s':>10s} {'speed-up':>9s} {'accepted':>9s} "
+          f"{'tokens/step':>12s} {'identical':>10s}")
+    for name, batch_prompts, batch in cases:
+        llm_on = engines["on"]
+        before, steps_before = llm_on.stats(), llm_on.engine.num_verify_steps
+        on_out, on_s, on_tok = run(llm_on, batch_prompts, batch, args.max_tokens)
+        after = llm_on.stats()
+        off_out, off_s, off_tok = run(engines["off"], batch_prompts, batch, args.max_tokens)
+        drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+        verify_steps = llm_on.engine.num_verify_steps - steps_before
+        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        case = {"off_tok_s": off_tok / off_s, "on_tok_s": on_tok / on_s, "speedup": (on_tok / on_s) / (off_tok / off_s),
+                "draft_tokens": drafts, "accepted_tokens": accepted, "acceptance_rate": accepted / max(drafts, 1),
+                "tokens_per_verify_step": 1 + accepted / max(verify_steps, 1), "identical": on_out == off_out, "num_prompts": len(batch_prompts), "output_tokens": on_tok}
+        results["cases"][name] = case
+        print(f"{name:24s} {case['off_tok_s']:10.1f} {case['on_tok_s']:10.1f} {case['speedup']:8.2f}x "
+              f"{100 * case['acceptance_rate']:8.1f}% {case['tokens_per_verify_step']:12.2f} "
+              f"{str(case['identical']):>10s}")
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
