@@ -52,8 +52,9 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     for i, passage in enumerate(PASSAGES):
         for j, task in enumerate(TASKS):
             text = task.format(_misspell(passage) if j == 1 else passage)
-            out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True))
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+            out.append(tokenizer.encode(chat, add_special_tokens=False))
     return out
 
 
