@@ -127,6 +127,9 @@ class LLMEngine:
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, accepted, request-steps that verified
         self.num_accepted_draft_tokens = 0
         self.num_verify_steps = 0
+        self._step_seconds: dict[int, float] = {}  # T -> moving average of a step's wall time
+        for sched in self.schedulers:
+            sched.step_cost = self._step_cost
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
 
@@ -268,7 +271,11 @@ class LLMEngine:
             outs.append(sched.schedule())
         if all(out is None for out in outs):
             return []
+        began = time.perf_counter()
         result = self.runner.execute(outs, fill_masks=lambda bitmask, rows: self._fill_masks(outs, bitmask, rows))
+        if self.spec is not None:  # what a step of each size costs here (the draft allocation weighs it)
+            t, took = self.runner.last_t, time.perf_counter() - began
+            self._step_seconds[t] = took if t not in self._step_seconds else 0.8 * self._step_seconds[t] + 0.2 * took
         if result.prompt is not None:
             self._collect_prompt_logprobs(outs, result.prompt)
         self.num_steps += 1
@@ -335,6 +342,16 @@ class LLMEngine:
         self.schedulers[rank].add(group.root)
         self._beam_groups[request_id] = group
 
+    def _step_cost(self, t: int) -> float:
+        """Expected seconds of a step of t tokens: measured, else scaled linearly from the
+        nearest measured size (a pessimistic guess where steps are weight-bound), else t."""
+        if t in self._step_seconds:
+            return self._step_seconds[t]
+        if not self._step_seconds:
+            return float(t)
+        near = min(self._step_seconds, key=lambda m: abs(m - t))
+        return self._step_seconds[near] * t / near
+
     def _propose_drafts(self) -> None:
         """Prompt-lookup drafts for every running request about to decode (not for beams,
         nor for requests whose penalties or token masks depend on each token before it)."""
@@ -365,6 +382,9 @@ class LLMEngine:
             tokens.append(int(result.tokens[row + n]))
         self.num_draft_tokens += n
         self.num_accepted_draft_tokens += len(tokens) - 1
+        req = out.requests[i]
+        req.num_drafted += n
+        req.num_accepted_drafts += len(tokens) - 1
         self.num_verify_steps += 1
         return tokens
 

@@ -95,6 +95,7 @@ class ModelRunner:
         self._stop_warmup = threading.Event()
         self.warmup_error: BaseException | None = None
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
+        self.last_t = 0  # T of the last step
 
     def _forward(self, state, kv, inputs: StepInputs, copies):
         """-> (kv, logits [dp * S, V] of each sequence's last token, PromptLogprobs [dp * T])."""
@@ -308,6 +309,7 @@ class ModelRunner:
         fill_masks(bitmask [dp * S, W] int32 all ones, S): writes the token masks of the
         constrained rows; called while the device runs the forward pass."""
         t, inputs, sampling, copies = self.prepare(outs)
+        self.last_t = t
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
         self.kv, logits, plp = step(self.state, self.kv, inputs, copies)  # dispatched, runs async

@@ -37,6 +37,8 @@ class Request:
     num_passed: int = 0  # later requests admitted before it while it did not fit (bounded: no starvation)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     draft_token_ids: list[int] = field(default_factory=list)  # speculative guesses of the next tokens
+    num_drafted: int = 0  # draft tokens verified so far, and accepted (its acceptance estimate)
+    num_accepted_drafts: int = 0
     beam_group: object = None  # the BeamGroup this request is a beam of, if any
     dp_rank: int = 0  # the data-parallel rank whose block pool and scheduler hold this request
     status: RequestStatus = RequestStatus.WAITING

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pagedjax.block_pool import BlockPool, hash_block
 from pagedjax.buckets import Buckets
 from pagedjax.request import Request, RequestStatus
+from pagedjax.speculative import allocate_drafts
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class Scheduler:
         self.pool = pool
         self.buckets = buckets
         self.token_budget = buckets.max_num_batched_tokens  # tokens per step; the engine may lower it
+        self.step_cost = lambda t: float(t)  # expected time of a step of t tokens (the engine measures it)
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
@@ -119,14 +121,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         self._copies = []
         budget = min(self.token_budget, self.buckets.max_num_batched_tokens)
-        decode, drafts = self._schedule_decode(budget)
-        decode_tokens = len(decode) + sum(len(d) for d in drafts)
-        reqs, starts, q_lens = self._schedule_prefill(budget - decode_tokens)
+        decode = self._schedule_decode(budget)
+        reqs, starts, q_lens = self._schedule_prefill(budget - len(decode))
         if not decode and not reqs:
             return None
-        if q_lens and (cut := self._trim_to_rung(decode_tokens + sum(q_lens), q_lens[-1])):
+        if q_lens and (cut := self._trim_to_rung(len(decode) + sum(q_lens), q_lens[-1])):
             q_lens[-1] -= cut
             self._release_tail(reqs[-1], starts[-1] + q_lens[-1])
+        drafts = self._schedule_drafts(decode, len(decode) + sum(q_lens), budget)
         return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
                                [1 + len(d) for d in drafts] + q_lens, len(decode), self._copies,
                                drafts + [[]] * len(reqs) if any(drafts) else [])
@@ -216,31 +218,37 @@ class Scheduler:
             budget -= q
         self.waiting.extendleft(reversed(skipped))
 
-    def _schedule_decode(self, budget: int) -> tuple[list[Request], list[list[int]]]:
-        """Running requests with exactly one token to go, their next slots ready, and the
-        draft tokens each verifies after it (within `budget` tokens and the step's draft
-        budget; drafts are dropped before anything is preempted)."""
-        decode, drafts, i, used = [], [], 0, 0
-        draft_budget = self.buckets.max_draft_tokens
-        while i < len(self.running) and used < budget:
+    def _schedule_decode(self, budget: int) -> list[Request]:
+        """Running requests with exactly one token to go, their next slot ready (at most
+        `budget` of them)."""
+        decode, i = [], 0
+        while i < len(self.running) and len(decode) < budget:
             req = self.running[i]
-            start = req.num_computed_tokens
-            if req.num_tokens - start != 1:
+            if req.num_tokens - req.num_computed_tokens != 1:
                 i += 1
-                continue
-            room = min(draft_budget, budget - used - 1, self.max_model_len - start - 1,
-                       req.params.max_tokens - len(req.output_token_ids) - 1)
-            d = req.draft_token_ids[:max(room, 0)]
-            if d and not self._grow(req, start, 1 + len(d)):
-                d = []  # no room for the drafts: verify none rather than preempt
-            if d or self._grow(req, start, 1):
-                decode.append(req), drafts.append(d)
-                used += 1 + len(d)
-                draft_budget -= len(d)
+            elif self._grow(req, req.num_computed_tokens, 1):
+                decode.append(req)
                 i += 1
             else:  # the newest running request gives way (possibly req itself)
                 self._preempt(self.running[-1])
-        return decode, drafts
+        return decode
+
+    def _schedule_drafts(self, decode: list[Request], num_tokens: int, budget: int) -> list[list[int]]:
+        """The draft tokens each decoding request verifies after its token (speculative
+        decoding; see speculative.allocate_drafts): their blocks readied, never at the cost
+        of a preemption."""
+        if not any(r.draft_token_ids for r in decode):
+            return [[] for _ in decode]
+        caps = [max(0, min(len(r.draft_token_ids), self.max_model_len - r.num_computed_tokens - 1,
+                           r.params.max_tokens - len(r.output_token_ids) - 1)) for r in decode]
+        rates = [(r.num_accepted_drafts + 1) / (r.num_drafted + 2) for r in decode]  # a prior of 1/2
+        alloc = allocate_drafts(caps, rates, num_tokens, self.buckets.token_buckets(), budget,
+                                self.buckets.max_draft_tokens, self.step_cost)
+        drafts = []
+        for req, n in zip(decode, alloc):
+            ok = n and self._grow(req, req.num_computed_tokens, 1 + n)
+            drafts.append(req.draft_token_ids[:n] if ok else [])
+        return drafts
 
     def num_seats_taken(self) -> int:
         """Running sequences plus the seats they hold for sequences they will fork."""

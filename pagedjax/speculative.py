@@ -70,3 +70,42 @@ def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
             start = int(hits[-1]) + n  # the token after the most recent match
             return tokens[start:start + k].tolist()
     return []
+
+
+def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs: list[int], max_tokens: int,
+                    max_drafts: int, cost) -> list[int]:
+    """How many drafts each decoding request verifies this step.
+
+    caps [n]: drafts each request has (within its limits); rates [n]: its estimated chance
+    that a draft is accepted; base_tokens: the step's tokens without drafts; rungs: the step
+    sizes; cost(T): the expected time of a step of T tokens. Drafts first fill the padding of
+    the step's rung (free), each next one going to the request whose next draft is most
+    likely to be used (the j-th draft of a request is used with probability rate^j); then the
+    step moves up a rung only while the expected tokens per unit of step time rise."""
+    alloc = [0] * len(caps)
+    gain = [r for r in rates]  # value of each request's next draft: rate ** (alloc + 1)
+    t = next((r for r in rungs if r >= base_tokens), None)
+    if t is None or not any(caps):
+        return alloc
+
+    def add(limit: int) -> float:
+        """Adds up to `limit` drafts, best first; returns their expected value."""
+        value = 0.0
+        for _ in range(limit):
+            best = max((i for i in range(len(caps)) if alloc[i] < caps[i]), key=lambda i: gain[i], default=None)
+            if best is None or sum(alloc) >= max_drafts:
+                break
+            value += gain[best]
+            alloc[best] += 1
+            gain[best] *= rates[best]
+        return value
+
+    value = len(caps) + add(t - base_tokens)  # expected decode tokens out of this step
+    for up in (r for r in rungs if t < r <= max_tokens):
+        saved = list(alloc), list(gain)
+        more = add(up - t)
+        if more <= 0 or (value + more) / cost(up) <= value / cost(t):
+            alloc[:], gain[:] = saved
+            break
+        value, t = value + more, up
+    return alloc
