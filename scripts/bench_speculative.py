@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each case per mode (median and range printed)")
     p.add_argument("--batch-1-prompts", type=int, default=4, help="prompts run one at a time")
     p.add_argument("--output", default="results/bench_speculative.json")
     args = p.parse_args(argv)
@@ -94,22 +95,28 @@ def main(argv: list[str] | None = None) -> dict:
     cases = [("copy, batch 1", prompts[:args.batch_1_prompts], 1), ("copy, batch 8", prompts[:8], 8),
              ("random tokens, batch 8", random_prompts, 8)]
     results = {"config": vars(args) | {"speculative_config": spec}, "cases": {}}
-    print(f"{'case':24s} {'off tok/s':>10s} {'on tok/s':>10s} {'speed-up':>9s} {'accepted':>9s} "
+    print(f"{'case':24s} {'off tok/s':>16s} {'on tok/s':>16s} {'speed-up':>9s} {'accepted':>9s} "
           f"{'tokens/step':>12s} {'identical':>10s}")
     for name, batch_prompts, batch in cases:
-        llm_on = engines["on"]
+        llm_on, rates = engines["on"], {"off": [], "on": []}
         before, steps_before = llm_on.stats(), llm_on.engine.num_verify_steps
-        on_out, on_s, on_tok = run(llm_on, batch_prompts, batch, args.max_tokens)
+        outs = {}
+        for rep in range(args.repeats):  # alternating, so a noisy neighbour hits both alike
+            for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                outs[mode], seconds, tokens = run(engines[mode], batch_prompts, batch, args.max_tokens)
+                rates[mode].append(tokens / seconds)
         after = llm_on.stats()
-        off_out, off_s, off_tok = run(engines["off"], batch_prompts, batch, args.max_tokens)
         drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-        verify_steps = llm_on.engine.num_verify_steps - steps_before
         accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-        case = {"off_tok_s": off_tok / off_s, "on_tok_s": on_tok / on_s, "speedup": (on_tok / on_s) / (off_tok / off_s),
-                "draft_tokens": drafts, "accepted_tokens": accepted, "acceptance_rate": accepted / max(drafts, 1),
-                "tokens_per_verify_step": 1 + accepted / max(verify_steps, 1), "identical": on_out == off_out, "num_prompts": len(batch_prompts), "output_tokens": on_tok}
+        verify_steps = llm_on.engine.num_verify_steps - steps_before
+        off, on = float(np.median(rates["off"])), float(np.median(rates["on"]))
+        case = {"off_tok_s": off, "on_tok_s": on, "off_runs": rates["off"], "on_runs": rates["on"],
+                "speedup": on / off, "draft_tokens": drafts, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / max(drafts, 1), "tokens_per_verify_step": 1 + accepted / max(verify_steps, 1),
+                "identical": outs["on"] == outs["off"], "num_prompts": len(batch_prompts)}
         results["cases"][name] = case
-        print(f"{name:24s} {case['off_tok_s']:10.1f} {case['on_tok_s']:10.1f} {case['speedup']:8.2f}x "
+        spread = lambda r: f"{np.median(r):5.1f} [{min(r):.0f}-{max(r):.0f}]"
+        print(f"{name:24s} {spread(rates['off']):>16s} {spread(rates['on']):>16s} {case['speedup']:8.2f}x "
               f"{100 * case['acceptance_rate']:8.1f}% {case['tokens_per_verify_step']:12.2f} "
               f"{str(case['identical']):>10s}")
     out = Path(args.output)
