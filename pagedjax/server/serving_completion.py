@@ -26,6 +26,7 @@ from pagedjax.server.serving_common import (SSE_DONE, ServingBase, completions_b
                                             merge_streams, sse, top_logprobs)
 
 MAX_PROMPTS = 1024  # prompts per request
+MAX_PROMPT_LOGPROB_ENTRIES = 2_000_000  # prompt tokens x (alternatives + 1): bounds the memory one request holds
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +71,11 @@ class CompletionServing(ServingBase):
             engine_plp = max(engine_plp or 0, k)
         if engine_plp is None and 0 in max_tokens:  # echo alone: still a scoring request for the engine
             engine_plp = 0
+        if engine_plp is not None and sum(map(len, prompts)) * (engine_plp + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise bad_request(f"prompt log-probabilities for {sum(map(len, prompts))} prompt tokens with "
+                              f"{engine_plp} alternatives each exceed this server's limit of "
+                              f"{MAX_PROMPT_LOGPROB_ENTRIES} entries per request; send fewer or shorter prompts",
+                              "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
         if req.use_beam_search:
             params = [self.beam_search_params(req, m) for m in max_tokens]
         else:

@@ -470,3 +470,15 @@ def test_result_changing_or_unknown_fields_are_rejected(server, field, value):
 def test_no_op_fields_are_chat_only(server):
     r = _post(server.url, C, {**P, "store": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
+def test_prompt_logprobs_of_a_huge_request_are_refused():
+    """A 4 MiB body could otherwise make the engine hold GBs of prompt log-probabilities."""
+    import httpx
+
+    from .conftest import running_server
+
+    with running_server() as s:
+        body = {"model": "fake-model", "prompt": [[5] * 200] * 1000, "max_tokens": 0, "echo": True, "logprobs": 20}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "prompt log-probabilities" in r.json()["error"]["message"]
