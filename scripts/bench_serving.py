@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--structured", choices=["json"], default=None, help="constrain outputs to a JSON schema")
     p.add_argument("--penalties", action="store_true", help="presence/frequency/repetition penalties + logit_bias")
+    p.add_argument("--repeats", type=int, default=3, help="with --structured/--penalties: alternating rounds")
     p.add_argument("--output", default="results/bench_serving.json")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -182,23 +183,32 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def compare(args: argparse.Namespace) -> dict:
-    """The same load without, then with, the features; printed side by side."""
+    """The same load without and with the features, alternating for --repeats rounds after
+    one discarded warm-up run; medians (and ranges) side by side."""
     import copy
 
     plain = copy.copy(args)
     plain.structured, plain.penalties = None, False
-    runs = {"without": asyncio.run(run(plain)), "with": asyncio.run(run(args))}
+    asyncio.run(run(plain))  # warm-up: the server may still be compiling in the background
+    runs: dict[str, list[dict]] = {"without": [], "with": []}
+    for rep in range(args.repeats):
+        for mode in (("without", "with") if rep % 2 == 0 else ("with", "without")):
+            runs[mode].append(asyncio.run(run(plain if mode == "without" else args)))
     label = " + ".join(x for x in (f"structured {args.structured}" if args.structured else "",
                                      "penalties" if args.penalties else "") if x)
-    print(f"\n{'':22s} {'without':>10s} {'with ' + label:>28s}")
-    for key, name in (("output_throughput_tok_s", "output tok/s"), ("total_output_tokens", "output tokens"),
-                      ("duration_s", "duration s"), ("completed", "completed")):
-        print(f"{name:22s} {runs['without'][key]:10.1f} {runs['with'][key]:28.1f}")
-    for key in ("ttft_ms", "tpot_ms"):
-        print(f"{key + ' p50':22s} {runs['without'][key]['p50'] or 0:10.1f} {runs['with'][key]['p50'] or 0:28.1f}")
-    cost = 1 - runs["with"]["output_throughput_tok_s"] / runs["without"]["output_throughput_tok_s"]
-    print(f"cost of {label}: {100 * cost:.1f}% of output tokens/s")
-    return {"config": runs["with"]["config"], "runs": runs, "throughput_cost": cost}
+    med = {m: {k: float(np.median([r[k] for r in rs])) for k in ("output_throughput_tok_s", "total_output_tokens",
+                                                                   "duration_s", "completed")}
+           for m, rs in runs.items()}
+    rng = {m: [r["output_throughput_tok_s"] for r in rs] for m, rs in runs.items()}
+    print(f"\n{'':22s} {'without':>22s} {'with ' + label:>28s}")
+    print(f"{'output tok/s':22s} {med['without']['output_throughput_tok_s']:9.1f} "
+          f"[{min(rng['without']):5.1f}-{max(rng['without']):5.1f}] "
+          f"{med['with']['output_throughput_tok_s']:15.1f} [{min(rng['with']):5.1f}-{max(rng['with']):5.1f}]")
+    for key, name in (("total_output_tokens", "output tokens"), ("duration_s", "duration s"), ("completed", "completed")):
+        print(f"{name:22s} {med['without'][key]:22.1f} {med['with'][key]:28.1f}")
+    cost = 1 - med["with"]["output_throughput_tok_s"] / med["without"]["output_throughput_tok_s"]
+    print(f"cost of {label}: {100 * cost:.1f}% of output tokens/s (medians of {args.repeats} alternating runs)")
+    return {"config": runs["with"][0]["config"], "runs": runs, "throughput_cost": cost}
 
 
 def main(argv: list[str] | None = None) -> dict:
