@@ -343,14 +343,15 @@ class LLMEngine:
         self._beam_groups[request_id] = group
 
     def _step_cost(self, t: int) -> float:
-        """Expected seconds of a step of t tokens: measured, else scaled linearly from the
-        nearest measured size (a pessimistic guess where steps are weight-bound), else t."""
+        """Expected seconds of a step of t tokens: measured (a moving average), else that of
+        the nearest measured size: an optimistic guess, so a size is tried once and then
+        known (small steps are weight-bound, bigger ones compute-bound, and where the turn
+        comes depends on the device)."""
         if t in self._step_seconds:
             return self._step_seconds[t]
         if not self._step_seconds:
             return float(t)
-        near = min(self._step_seconds, key=lambda m: abs(m - t))
-        return self._step_seconds[near] * t / near
+        return self._step_seconds[min(self._step_seconds, key=lambda m: abs(m - t))]
 
     def _propose_drafts(self) -> None:
         """Prompt-lookup drafts for every running request about to decode (not for beams,
