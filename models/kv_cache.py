@@ -15,8 +15,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from models.sharding import DATA_AXIS, MODEL_AXIS
 from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_packed_attention
-from pallas_kernels.paged_attention.ops import packed_paged_attention
-from pallas_kernels.paged_attention.reference import write_kv
+from pallas_kernels.paged_attention import cpu_native
+from pallas_kernels.paged_attention.ops import packed_paged_attention, write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -77,8 +77,8 @@ class DenseKVCache:
     through the same block pool and metadata: `block_size` is max_model_len, a request's
     block table is [its slot], and slot_mapping = slot * max_model_len + position. Attention
     walks each slot in contiguous chunks up to the longest live sequence (`dense_attention`,
-    which on CPU with float32 runs the paged cache's native kernel, one page per slot, so
-    the two backends are compared on equal kernels).
+    which on CPU runs the paged cache's native kernel, one page per slot, so the two
+    backends are compared on equal kernels).
     """
 
     def __init__(self, num_slots: int, max_model_len: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -153,6 +153,8 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
     layers' copies of the block: a step with no copies costs nothing, and none touches
     more than the blocks it copies.
     """
+    if cpu_native.native_write_supported(kv[0].dtype):  # bf16 on CPU: XLA would widen the pool to f32
+        return cpu_native.copy_blocks_native(tuple(kv), num_layers, src, dst)
     num_blocks = kv[0].shape[1] // num_layers
     layer_base = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks  # [L]
 

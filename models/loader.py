@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, load_config
+from models.dtypes import resolve_dtype, resolve_kv_cache_dtype  # noqa: F401  (re-exported)
 from models.llama import CausalLM
 from models.sharding import MODEL_AXIS, check_tp
 
@@ -62,20 +62,6 @@ def _fuse(layer: dict) -> dict:
         layer["bqkv"] = np.concatenate([layer.pop("bq"), layer.pop("bk"), layer.pop("bv")])
     layer["w_gate_up"] = np.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=0)
     return layer
-
-
-def resolve_dtype(dtype: str, cfg: ModelConfig):
-    """'auto' -> float32 on CPU, else the checkpoint's dtype (bfloat16 for bf16/f16 checkpoints)."""
-    import jax
-
-    if dtype == "auto":
-        if jax.default_backend() == "cpu":
-            return jnp.float32
-        return jnp.bfloat16 if cfg.torch_dtype in ("bfloat16", "float16") else jnp.float32
-    table = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(table)}, got {dtype!r}")
-    return table[dtype]
 
 
 def load_tokenizer(model_dir: str | Path):

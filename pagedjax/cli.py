@@ -17,8 +17,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per step, decode and prompt chunks together (default 2048)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes")
     g.add_argument("--kv-cache", choices=["paged", "dense"], default="paged")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the model's matrices (activations stay float32); auto: bfloat16 where the hardware "
+                        "has fast bf16 (TPU, GPU, CPU with AVX512-BF16/AMX), else float32")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="KV cache dtype (auto: the model dtype)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds derive from it)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (prompt lookup)')
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="devices to split the weights and KV heads over (default 1)")
     g.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="data-parallel ranks (default 1)")
@@ -26,6 +33,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--coordinator-address", default=None, metavar="HOST:PORT", help="process 0's address")
     m.add_argument("--num-processes", type=int, default=1)
     m.add_argument("--process-id", type=int, default=0)
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def init_processes(args: argparse.Namespace) -> None:
@@ -42,7 +61,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs or 64,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
-                seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                kv_cache_dtype=args.kv_cache_dtype,
+                seed=args.seed, speculative_config=args.speculative_config,
+                tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size)
 
 

@@ -68,14 +68,14 @@ class Workload:
 def kv_bytes_per_token(model: str | None, dtype: str = "auto") -> int:
     """KV bytes one token takes in every layer (K and V), read from the model's config."""
     from models.config import load_config
-    from models.loader import resolve_dtype
+    from models.loader import resolve_dtype, resolve_kv_cache_dtype
 
     if model is None:
         from models.default_model import default_model_dir
 
         model = default_model_dir(progress=False)
     cfg = load_config(model)
-    itemsize = np.dtype(resolve_dtype(dtype, cfg)).itemsize
+    itemsize = np.dtype(resolve_kv_cache_dtype("auto", resolve_dtype(dtype, cfg))).itemsize
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.dtypes import check_dtype, check_kv_cache_dtype
+
 from pagedjax.speculative import SpeculativeConfig
 
 KV_CACHE_KINDS = ("paged", "dense")
@@ -20,7 +22,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 (tokens of one step, padding included)
     enable_prefix_caching: bool = True
     kv_cache: str = "paged"  # "dense": one max_model_len slot per request, block_size unused
-    dtype: str = "auto"
+    dtype: str = "auto"  # the model's matrices: "auto" (bf16 where the hardware has fast bf16), "bfloat16", "float32"
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "bfloat16" or "float32"
     seed: int = 0
     kv_cache_memory_gb: float | None = None  # per data-parallel rank (split over its tp devices)
     attention_impl: str = "auto"
@@ -45,6 +48,8 @@ class EngineConfig:
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        check_dtype(self.dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

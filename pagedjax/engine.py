@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from models.kv_cache import DenseKVCache, PagedKVCache
-from models.loader import load_model
+from models.loader import load_model, resolve_kv_cache_dtype
 from pagedjax import compile_counter, prompt_logprobs
 from pagedjax.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from pagedjax.block_pool import BlockPool
@@ -80,7 +80,7 @@ class LLMEngine:
         # (text, token ids, logprobs), so a step costs O(new tokens), not O(output length)
         self.output_deltas = False
         mc = self.model_config
-        kv_dtype = self.model.embed[...].dtype
+        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.model.dtype)
         # KV heads as stored: replicated up to tensor_parallel_size when the model has fewer
         self.kv_bytes_per_token = 2 * mc.num_layers * self.model.num_kv_heads * mc.head_dim * kv_dtype.itemsize
         # dense: a block is one request's whole max_model_len slot, taken at admission, no sharing

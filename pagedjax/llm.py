@@ -19,11 +19,13 @@ class LLM:
     def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache: str = "paged", dtype: str = "auto", seed: int = 0, warmup: bool = True, **kwargs):
+                 kv_cache: str = "paged", dtype: str = "auto", kv_cache_dtype: str = "auto", seed: int = 0,
+                 warmup: bool = True, **kwargs):
         self.engine = LLMEngine(model, stream_text=False, block_size=block_size, num_blocks=num_blocks,
                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching, kv_cache=kv_cache, dtype=dtype,
+                                kv_cache_dtype=kv_cache_dtype,
                                 seed=seed, **kwargs)
         self._warmup_pending = False
         if warmup:

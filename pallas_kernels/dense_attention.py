@@ -36,8 +36,8 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
     """Causal attention of q over each sequence's slot rows [0, kv_len); see the module doc.
 
     impl: "xla" walks the slots in chunks as described above; "native" runs the CPU kernel
-    of the paged cache with one page per slot (float32 on CPU only); "auto" picks "native"
-    where it serves, else "xla".
+    of the paged cache with one page per slot (CPU only; float32 or bfloat16 cache);
+    "auto" picks "native" where it serves, else "xla".
     """
     s, nq, h, d = q.shape
     hkv, _, max_len, _ = k_cache.shape
@@ -49,7 +49,7 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
         raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'native' or 'xla'")
     native = native_supported(q.dtype, k_cache.dtype)
     if impl == "native" and not native:
-        raise ValueError("impl='native' needs the CPU backend, float32 q and cache, and a built kernel")
+        raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q and cache, and a built kernel")
     if impl != "xla" and native:  # a slot is one page of max_model_len rows
         return paged_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, q_lens, scale=scale)
     c = min(chunk_tokens, max_len)
@@ -91,7 +91,7 @@ def dense_packed_attention(q, k_cache, v_cache, slots, kv_lens, cu_q_lens, *, sc
         return packed_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, cu_q_lens[:-1],
                                        cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
     if impl == "native":
-        raise ValueError("impl='native' needs the CPU backend, float32 q and cache, and a built kernel")
+        raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q and cache, and a built kernel")
     tile = 1 if q.shape[0] <= slots.shape[0] else row_tokens
     q_rows, tables, row_kv, row_q, token_row, token_slot = packed.to_rows(q, slots[:, None], kv_lens, cu_q_lens, tile)
     out = dense_attention(q_rows, k_cache, v_cache, tables[:, 0], row_kv, row_q, scale=scale,

@@ -5,16 +5,24 @@ Default workload: a SmolLM2-135M-shaped Llama with random weights, 16 prompts of
 JSON (results/bench_throughput.json).
 
     python scripts/bench_throughput.py [--model DIR] [--num-prompts 16] [--prompt-len 128] [--output-len 128]
+
+`--dtype bfloat16` runs three engines side by side: pagedjax in bf16 (bf16 matrices and KV
+cache, float32 activations), transformers in bf16 (torch on the same CPU) and pagedjax in
+float32; prints the tok/s of each, the ratios, and how often the first 8 greedy tokens of the
+bf16 run agree with the float32 run (results/bench_throughput_bfloat16.json).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))  # step_floor
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
@@ -30,13 +38,14 @@ def make_random_checkpoint(path: Path) -> None:
     LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(str(path))
 
 
-def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int, threads: int | None) -> dict:
+def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int, threads: int | None,
+                       dtype: str = "float32") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
@@ -49,10 +58,12 @@ def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int
             "token_ids": gen.tolist()}
 
 
-def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_len: int, args) -> dict:
+def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_len: int, args, dtype: str = "float32",
+                   profile: bool = False) -> dict:
+    """profile: also the median decode step at len(prompts) rows and its matmuls alone (step_floor.py)."""
     from pagedjax import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=dtype,
               block_size=args.block_size, warmup=False, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # compiles the buckets this workload uses
@@ -61,9 +72,15 @@ def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_len: int, ar
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": dt, "output_tokens": n, "tokens_per_s": n / dt,
-            "compilations_during_timed_run": llm.stats()["num_compilations"] - compiles,
-            "token_ids": [o.outputs[0].token_ids for o in outs]}
+    res = {"seconds": dt, "output_tokens": n, "tokens_per_s": n / dt,
+           "compilations_during_timed_run": llm.stats()["num_compilations"] - compiles,
+           "token_ids": [o.outputs[0].token_ids for o in outs]}
+    if profile:
+        from step_floor import decode_step_ms, matmul_floor_ms
+
+        res["decode_step_ms"] = decode_step_ms(llm.engine, prompts)
+        res["matmul_floor_ms"] = matmul_floor_ms(llm.engine.model, len(prompts))
+    return res
 
 
 def main() -> None:
@@ -76,8 +93,13 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--torch-threads", type=int, default=None)
-    p.add_argument("--out", default="results/bench_throughput.json")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16: pagedjax bf16 vs transformers bf16 vs pagedjax float32")
+    p.add_argument("--out", default=None, help="JSON path (default: results/bench_throughput[_bfloat16].json)")
     args = p.parse_args()
+    if args.dtype == "bfloat16":
+        return main_bfloat16(args)
+    args.out = args.out or "results/bench_throughput.json"
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -102,6 +124,52 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
+
+
+def first_tokens_agreement(a: list[list[int]], b: list[list[int]], n: int = 8) -> dict:
+    """Of each pair of outputs: are the first n tokens identical; and the fraction of those
+    n positions that agree."""
+    same = sum(x[:n] == y[:n] for x, y in zip(a, b))
+    pos = sum(p == q for x, y in zip(a, b) for p, q in zip(x[:n], y[:n]))
+    return {"identical": f"{same}/{len(a)}", "positions": pos / (n * len(a))}
+
+
+def main_bfloat16(args) -> None:
+    """pagedjax bf16, transformers bf16 and pagedjax float32 on the same workload, one run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            model_dir = tmp
+            make_random_checkpoint(Path(tmp))
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(3, 49152 if args.model is None else 1000, size=(args.num_prompts, args.prompt_len)).tolist()
+        ours = bench_pagedjax(model_dir, prompts, args.output_len, args, dtype="bfloat16", profile=True)
+        f32 = bench_pagedjax(model_dir, prompts, args.output_len, args, dtype="float32", profile=True)
+        theirs = bench_transformers(model_dir, prompts, args.output_len, args.torch_threads, dtype="bfloat16")
+    ids = {name: run.pop("token_ids") for name, run in (("bf16", ours), ("f32", f32), ("hf", theirs))}
+    result = {
+        "workload": {k: getattr(args, k) for k in ("model", "num_prompts", "prompt_len", "output_len",
+                                                    "max_num_seqs", "block_size")},
+        "pagedjax_bfloat16": ours, "transformers_bfloat16": theirs, "pagedjax_float32": f32,
+        "bf16_over_transformers_bf16": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "bf16_over_pagedjax_f32": ours["tokens_per_s"] / f32["tokens_per_s"],
+        "first8_bf16_vs_f32": first_tokens_agreement(ids["bf16"], ids["f32"]),
+        "first8_bf16_vs_transformers_bf16": first_tokens_agreement(ids["bf16"], ids["hf"]),
+    }
+    for label, run in (("pagedjax bf16", ours), ("transformers bf16", theirs), ("pagedjax f32", f32)):
+        print(f"{label:18s} {run['tokens_per_s']:8.1f} tok/s  ({run['output_tokens']} tokens in {run['seconds']:.2f} s)")
+    print(f"bf16 / transformers bf16  {result['bf16_over_transformers_bf16']:5.2f}x   (target >= 1.5x)")
+    print(f"bf16 / pagedjax f32       {result['bf16_over_pagedjax_f32']:5.2f}x   (target >= 1.8x)")
+    agree = result["first8_bf16_vs_f32"]
+    print(f"first 8 greedy tokens, bf16 vs f32: {agree['identical']} prompts identical, "
+          f"{100 * agree['positions']:.0f}% of positions agree")
+    for label, run in (("bf16", ours), ("f32 ", f32)):
+        print(f"decode step {label}: {run['decode_step_ms']:5.1f} ms at {args.num_prompts} rows; "
+              f"its matmuls alone {run['matmul_floor_ms']:5.1f} ms (scripts/step_floor.py)")
+    out = Path(args.out or "results/bench_throughput_bfloat16.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

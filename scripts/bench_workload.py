@@ -75,7 +75,7 @@ def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_lens: list[i
 
     t = time.perf_counter()
     llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              enable_prefix_caching=False, warmup=True)
+              enable_prefix_caching=False, warmup=True, dtype="float32")  # as transformers runs it here
     # the warm-up compiles every step bucket (on a background thread: wait for it; older
     # versions compile in the first generate); not part of the timed run
     if hasattr(llm, "wait_for_warmup"):

@@ -6,6 +6,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ["PAGEDJAX_COMPILE_CACHE"] = "0"  # tests count compilations; keep them in-process
+# dtype="auto" is bfloat16 on CPUs with AVX512-BF16/AMX (models/dtypes.py); the suite compares with
+# float32 transformers token for token, so "auto" means float32 here (subprocesses inherit it); the
+# bf16 paths are tested with dtype="bfloat16" explicitly. PAGEDJAX_AUTO_DTYPE=bfloat16 runs all in bf16.
+os.environ.setdefault("PAGEDJAX_AUTO_DTYPE", "float32")
 
 from tiny_models import make_checkpoint  # noqa: E402
 

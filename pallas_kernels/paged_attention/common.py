@@ -21,8 +21,12 @@ def round_up(n: int, m: int) -> int:
 
 
 def compute_dtype(q_dtype, page_dtype):
-    """Dtype the kernels feed their dots: f32 if either side is f32, else bf16."""
-    return jnp.promote_types(q_dtype, page_dtype)
+    """Dtype the kernels feed their dots: the pages' dtype. bf16 pages: q is rounded to bf16
+    (as a bf16 KV cache is read everywhere: the MXU / tensor cores' native input, one pass,
+    K and V tiles never widened); f32 pages: f32 (a bf16 q widened, exact). The dots
+    accumulate in f32 either way, and the softmax state is f32."""
+    del q_dtype  # the output keeps q's dtype; the dot inputs follow the pages
+    return jnp.dtype(page_dtype)
 
 
 def fold_decode_q(q: jax.Array, num_kv_heads: int, rows: int, dim: int, dtype) -> jax.Array:

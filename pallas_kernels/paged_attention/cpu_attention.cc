@@ -2,8 +2,10 @@
 //
 // Packed (ragged) layout, the contract of packed_paged_attention (packed.py):
 //   q [T, H, D] f32 (the query tokens of all sequences, laid end to end),
-//   k_pages / v_pages [Hkv, NB, BS, D] f32, block_tables [S, MB] i32, kv_lens [S] i32,
+//   k_pages / v_pages [Hkv, NB, BS, D] f32 or bf16, block_tables [S, MB] i32, kv_lens [S] i32,
 //   q_starts [S] i32, q_lens [S] i32  ->  out [T, H, D] f32.
+// bf16 pages are widened to f32 as they are read (a 16-bit shift); all arithmetic is f32.
+// Two handlers: PagedAttentionF32 (f32 pages) and PagedAttentionBF16 (bf16 pages).
 // Sequence s owns query tokens [q_starts[s], q_starts[s] + q_lens[s]); its query j sits at
 // position kv_lens[s] - q_lens[s] + j and attends causally to keys 0..that position (and
 // < kv_lens[s]). Tokens no sequence owns, and sequences with no key, give zeros. (The padded
@@ -22,9 +24,11 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -39,6 +43,15 @@ struct Shapes {
   int64_t t, s, h, d, hkv, nb, bs, mb;
 };
 
+// A page element as f32: f32 as is; bf16 (its bits in a uint16_t) is the top half of an f32.
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 inline float Dot(const float* a, const float* b, int64_t d) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -46,11 +59,114 @@ inline float Dot(const float* a, const float* b, int64_t d) {
   return acc;
 }
 
-// Attention of sequence `seq` against kv head `hk`: every query row j * G + g. kD > 0 fixes
-// the head dim at compile time (unrolled inner loops); 0 reads it from sh.
+// e^x for the softmax's x <= 0: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), Cephes' degree-6
+// polynomial for e^r (relative error ~1e-7, f32 rounding), 2^n through the exponent bits;
+// x < -87: 0. Plain arithmetic, so the `omp simd` loops over it vectorize (std::exp does not
+// without -ffast-math).
+inline float ExpSoftmax(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const float xc = std::max(x, -88.f);  // keeps n a small integer
+  const float n = (xc * 1.44269504088896341f + kRound) - kRound;
+  float r = std::fma(n, -0.693359375f, xc);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r) + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(std::max(static_cast<int32_t>(n) + 127, 1)) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// The first n rows of a [BS, D] page as f32: f32 pages as they are, bf16 ones widened into buf.
+template <typename P>
+inline const float* PageRows(const P* page, int64_t n, int64_t d, float* buf) {
+  if constexpr (std::is_same_v<P, float>) {
+    return page;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n * d; ++i) buf[i] = Widen(page[i]);
+    return buf;
+  }
+}
+
+// One online-softmax step of query row q [D] (pre-scaled) over the keys / values k, v [n, D]
+// of one page (n <= BS): running max m, sum l and accumulator acc [D] updated; sc [BS]
+// scratch. kD > 0: the head dim at compile time (acc kept in registers).
 template <int64_t kD>
-void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const float* kp,
-               const float* vp, const int32_t* tables, const int32_t* kv_lens,
+inline void SoftmaxStep(const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                        int64_t n, int64_t dim, float* __restrict acc, float& m, float& l,
+                        float* __restrict sc) {
+  const int64_t d = kD > 0 ? kD : dim;
+  float mx = kNoMax;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {  // four keys at once: independent reductions in flight
+    const float *k0 = k + t * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < d; ++i) {
+      s0 += q[i] * k0[i];
+      s1 += q[i] * k1[i];
+      s2 += q[i] * k2[i];
+      s3 += q[i] * k3[i];
+    }
+    sc[t] = s0, sc[t + 1] = s1, sc[t + 2] = s2, sc[t + 3] = s3;
+    mx = std::max(mx, std::max(std::max(s0, s1), std::max(s2, s3)));
+  }
+  for (; t < n; ++t) {
+    sc[t] = Dot(q, k + t * d, d);
+    mx = std::max(mx, sc[t]);
+  }
+  const float m_new = std::max(m, mx);
+  const float alpha = ExpSoftmax(m - m_new);  // 0 on the first page (m = kNoMax)
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (t = 0; t < n; ++t) {
+    sc[t] = ExpSoftmax(sc[t] - m_new);
+    sum += sc[t];
+  }
+  m = m_new;
+  l = l * alpha + sum;
+  if constexpr (kD > 0) {
+    float o[kD];
+#pragma omp simd
+    for (int64_t i = 0; i < kD; ++i) o[i] = acc[i] * alpha;
+    for (t = 0; t < n; ++t) {
+      const float p = sc[t];
+      const float* vr = v + t * kD;
+#pragma omp simd
+      for (int64_t i = 0; i < kD; ++i) o[i] += p * vr[i];
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < kD; ++i) acc[i] = o[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
+    for (t = 0; t < n; ++t) {
+      const float p = sc[t];
+      const float* vr = v + t * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += p * vr[i];
+    }
+  }
+}
+
+// A task's working memory, kept per thread across calls (no allocation per task).
+struct Scratch {
+  std::vector<float> m, l, acc, qs, sc, kbuf, vbuf;
+  std::vector<int64_t> limit;
+};
+
+// Attention of sequence `seq` against kv head `hk`: every query row j * G + g. kD > 0 fixes
+// the head dim at compile time (unrolled inner loops); 0 reads it from sh. P: the page
+// element type (float, or uint16_t holding bf16).
+template <int64_t kD, typename P>
+void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const P* kp,
+               const P* vp, const int32_t* tables, const int32_t* kv_lens,
                const int32_t* q_starts, const int32_t* q_lens, float scale, float* out) {
   const int64_t g_count = sh.h / sh.hkv, d = kD > 0 ? kD : sh.d, bs = sh.bs;
   const int64_t q0 = q_starts[seq];  // first query token of the sequence in q / out
@@ -62,9 +178,18 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   const int64_t rows = q_len * g_count;
   // A finite "minus infinity": the first page's rescale factor exp(kNoMax - max) is exactly 0
   // (no inf - inf).
-  std::vector<float> m(rows, kNoMax), l(rows, 0.f);
-  std::vector<float> acc(rows * d, 0.f), qs(rows * d), sc(bs);
-  std::vector<int64_t> limit(q_len);  // last key position each query slot sees
+  thread_local Scratch scratch;
+  std::vector<float>&m = scratch.m, &l = scratch.l, &acc = scratch.acc, &qs = scratch.qs, &sc = scratch.sc;
+  std::vector<float>&kbuf = scratch.kbuf, &vbuf = scratch.vbuf;  // widened bf16 pages
+  std::vector<int64_t>& limit = scratch.limit;  // last key position each query slot sees
+  m.assign(rows, kNoMax);
+  l.assign(rows, 0.f);
+  acc.assign(rows * d, 0.f);
+  qs.resize(rows * d);
+  sc.resize(bs);
+  kbuf.resize(std::is_same_v<P, float> ? 0 : bs * d);
+  vbuf.resize(kbuf.size());
+  limit.resize(q_len);
   int64_t last = -1;
   for (int64_t j = 0; j < q_len; ++j) {
     limit[j] = std::min(first_pos + j, kv_len - 1);
@@ -77,11 +202,12 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   const int32_t* table = tables + seq * sh.mb;
   for (int64_t page = 0; page * bs <= last; ++page) {
     const int64_t blk = std::clamp<int64_t>(table[page], 0, sh.nb - 1);
-    const float* kb = kp + (hk * sh.nb + blk) * bs * d;  // [BS, D]
-    const float* vb = vp + (hk * sh.nb + blk) * bs * d;
+    const int64_t seen = std::min(bs, last - page * bs + 1);  // keys of this page any query sees
+    const float* kb = PageRows(kp + (hk * sh.nb + blk) * bs * d, seen, d, kbuf.data());  // [BS, D]
+    const float* vb = PageRows(vp + (hk * sh.nb + blk) * bs * d, seen, d, vbuf.data());
     if ((page + 1) * bs <= last) {  // pages are scattered: fetch the next one while on this one
       const int64_t nxt = (hk * sh.nb + std::clamp<int64_t>(table[page + 1], 0, sh.nb - 1)) * bs * d;
-      for (int64_t i = 0; i < bs * d; i += 16) {
+      for (int64_t i = 0; i < bs * d; i += 64 / static_cast<int64_t>(sizeof(P))) {  // a cache line
         __builtin_prefetch(kp + nxt + i);
         __builtin_prefetch(vp + nxt + i);
       }
@@ -91,31 +217,7 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
       if (n <= 0) continue;
       for (int64_t g = 0; g < g_count; ++g) {
         const int64_t r = j * g_count + g;
-        const float* qr = qs.data() + r * d;
-        float mx = kNoMax;
-        for (int64_t t = 0; t < n; ++t) {
-          sc[t] = Dot(qr, kb + t * d, d);
-          mx = std::max(mx, sc[t]);
-        }
-        const float m_new = std::max(m[r], mx);
-        const float alpha = std::exp(m[r] - m_new);
-        float* a = acc.data() + r * d;
-        float sum = l[r] * alpha;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
-          sc[t] = std::exp(sc[t] - m_new);
-          sum += sc[t];
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          const float p = sc[t];
-          const float* vr = vb + t * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += p * vr[i];
-        }
-        m[r] = m_new;
-        l[r] = sum;
+        SoftmaxStep<kD>(qs.data() + r * d, kb, vb, n, d, acc.data() + r * d, m[r], l[r], sc.data());
       }
     }
   }
@@ -156,8 +258,9 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F task) {
   state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
 
+template <ffi::DataType kPage>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                              ffi::Buffer<kPage> k_pages, ffi::Buffer<kPage> v_pages,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
                               ffi::ResultBuffer<ffi::F32> out) {
@@ -178,32 +281,118 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       kld[0] != sh.s || qsd[0] != sh.s || qld[0] != sh.s)
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
   const float* qp = q.typed_data();
-  const float* kp = k_pages.typed_data();
-  const float* vp = v_pages.typed_data();
+  using P = ffi::NativeType<kPage>;
+  const P* kp = k_pages.typed_data();
+  const P* vp = v_pages.typed_data();
   const int32_t* tp = block_tables.typed_data();
   const int32_t* kl = kv_lens.typed_data();
   const int32_t* qs = q_starts.typed_data();
   const int32_t* ql = q_lens.typed_data();
   float* op = out->typed_data();
   std::fill_n(op, sh.t * sh.h * sh.d, 0.f);  // tokens no sequence owns stay zero
-  auto attend = sh.d == 64 ? AttendOne<64> : sh.d == 128 ? AttendOne<128> : AttendOne<0>;
+  auto attend = sh.d == 64 ? AttendOne<64, P> : sh.d == 128 ? AttendOne<128, P> : AttendOne<0, P>;
   ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, tp, kl, qs, ql, scale, op](int64_t i) {
     attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, tp, kl, qs, ql, scale, op);
   });
   return ffi::Error::Success();
 }
 
+// The KV write for bf16 pools: XLA:CPU widens a bf16 scatter to f32 (a full pass over the
+// pool, twice, per layer), so the engine writes bf16 pages here instead, in place:
+//   k_pages / v_pages [Hkv, NB, BS, D] bf16 (aliased to the outputs), k / v [T, Hkv, D] bf16,
+//   slots [T] i32 (block * BS + offset; < 0 or >= NB * BS: dropped).
+ffi::Error WriteKVImpl(ffi::Buffer<ffi::BF16> k_pages, ffi::Buffer<ffi::BF16> v_pages,
+                       ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> slots,
+                       ffi::ResultBuffer<ffi::BF16> k_out, ffi::ResultBuffer<ffi::BF16> v_out) {
+  auto pd = k_pages.dimensions();
+  auto nd = k.dimensions();
+  auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
+  if (pd.size() != 4 || nd.size() != 3 || nd[1] != pd[0] || nd[2] != pd[3] ||
+      slots.dimensions().size() != 1 || slots.dimensions()[0] != nd[0] ||
+      !same(v.dimensions(), nd) || !same(v_pages.dimensions(), pd))
+    return ffi::Error::InvalidArgument("kv write: inconsistent shapes");
+  const int64_t hkv = pd[0], num_slots = pd[1] * pd[2], d = pd[3], t = nd[0];
+  const int32_t* sl = slots.typed_data();
+  struct Side { const uint16_t* pages; const uint16_t* rows; uint16_t* out; };
+  for (Side side : {Side{k_pages.typed_data(), k.typed_data(), k_out->typed_data()},
+                    Side{v_pages.typed_data(), v.typed_data(), v_out->typed_data()}}) {
+    if (side.out != side.pages)  // XLA gave the result its own buffer: start from the pool
+      std::memcpy(side.out, side.pages, hkv * num_slots * d * sizeof(uint16_t));
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t slot = sl[i];
+      if (slot < 0 || slot >= num_slots) continue;
+      for (int64_t h = 0; h < hkv; ++h)
+        std::memcpy(side.out + (h * num_slots + slot) * d, side.rows + (i * hkv + h) * d, d * sizeof(uint16_t));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Copy-on-write for bf16 pools (XLA:CPU widens a bf16 scatter, or an update in a loop, to f32
+// over the whole pool), in place: k_pages / v_pages [Hkv, L * NB, BS, D] bf16 (aliased to the
+// outputs), src / dst [C] i32: block src[i] -> dst[i] in each of the `num_layers` layers (layer
+// l's blocks start at l * NB); the real copies come first, the first dst outside [0, NB) ends them.
+ffi::Error CopyBlocksImpl(ffi::Buffer<ffi::BF16> k_pages, ffi::Buffer<ffi::BF16> v_pages,
+                          ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, int64_t num_layers,
+                          ffi::ResultBuffer<ffi::BF16> k_out, ffi::ResultBuffer<ffi::BF16> v_out) {
+  auto pd = k_pages.dimensions();
+  if (pd.size() != 4 || num_layers <= 0 || pd[1] % num_layers != 0 || src.dimensions().size() != 1 ||
+      dst.dimensions().size() != 1 || src.dimensions()[0] != dst.dimensions()[0] ||
+      !std::equal(pd.begin(), pd.end(), v_pages.dimensions().begin(), v_pages.dimensions().end()))
+    return ffi::Error::InvalidArgument("copy blocks: inconsistent shapes");
+  const int64_t hkv = pd[0], total = pd[1], nb = total / num_layers, block = pd[2] * pd[3];
+  const int32_t* s = src.typed_data();
+  const int32_t* d = dst.typed_data();
+  struct Side { const uint16_t* pages; uint16_t* out; };
+  for (Side side : {Side{k_pages.typed_data(), k_out->typed_data()}, Side{v_pages.typed_data(), v_out->typed_data()}}) {
+    if (side.out != side.pages) std::memcpy(side.out, side.pages, hkv * total * block * sizeof(uint16_t));
+    for (int64_t i = 0; i < src.dimensions()[0] && d[i] >= 0 && d[i] < nb; ++i) {
+      if (s[i] < 0 || s[i] >= nb) continue;
+      for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t l = 0; l < num_layers; ++l) {
+          const int64_t base = (h * total + l * nb) * block;
+          std::memcpy(side.out + base + d[i] * block, side.out + base + s[i] * block, block * sizeof(uint16_t));
+        }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32, PagedAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedCopyBlocksBF16, CopyBlocksImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_starts
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_pages
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
+                                  .Attr<int64_t>("num_layers")
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_pages, in place
+                                  .Ret<ffi::Buffer<ffi::BF16>>());  // v_pages, in place
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedKVWriteBF16, WriteKVImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_pages
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_pages, in place
+                                  .Ret<ffi::Buffer<ffi::BF16>>());  // v_pages, in place
+
+#define PAGED_ATTENTION_HANDLER(name, page_type)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PagedAttentionImpl<page_type>,                   \
+                                ffi::Ffi::Bind()                                       \
+                                    .Ctx<ffi::ThreadPool>()                            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()      /* q */         \
+                                    .Arg<ffi::Buffer<page_type>>()     /* k_pages */   \
+                                    .Arg<ffi::Buffer<page_type>>()     /* v_pages */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* block_tables */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* kv_lens */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* q_starts */  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* q_lens */    \
+                                    .Attr<float>("scale")                              \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
+
+PAGED_ATTENTION_HANDLER(PagedAttentionF32, ffi::F32);
+PAGED_ATTENTION_HANDLER(PagedAttentionBF16, ffi::BF16);

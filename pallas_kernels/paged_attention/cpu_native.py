@@ -2,7 +2,9 @@
 
 XLA:CPU runs the jnp paths as many small fused loops; for decode (a few query rows per
 sequence) their fixed costs dominate. The C++ kernel walks each sequence's pages once with
-an online softmax, on XLA's intra-op thread pool. It is compiled at first use with the
+an online softmax, on XLA's intra-op thread pool. Pages may be float32 or bfloat16 (widened
+to float32 as they are read); q, the softmax and the output are float32 (a bf16 q is
+widened, the output cast back to q's dtype). It is compiled at first use with the
 system C++ compiler (`g++ -O3 -march=native`, about 10 s) into
 ~/.cache/pagedjax/native/ (PAGEDJAX_CACHE moves the root); `available()` is False (and the
 engine keeps the XLA path) when there is no compiler, the build fails, or
@@ -26,7 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
-_TARGET = "pagedjax_paged_attention_f32"
+_TARGETS = {"float32": ("pagedjax_paged_attention_f32", "PagedAttentionF32"),  # page dtype -> (target, symbol)
+            "bfloat16": ("pagedjax_paged_attention_bf16", "PagedAttentionBF16")}
+_WRITE_TARGET = ("pagedjax_kv_write_bf16", "PagedKVWriteBF16")
+_COPY_TARGET = ("pagedjax_copy_blocks_bf16", "PagedCopyBlocksBF16")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,8 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PagedAttentionF32), platform="cpu")
+        for target, symbol in [*_TARGETS.values(), _WRITE_TARGET, _COPY_TARGET]:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         log.warning("native CPU paged attention unavailable, using the XLA path: %s", e)
         return False
@@ -80,19 +86,21 @@ def available() -> bool:
 
 
 def native_supported(q_dtype, page_dtype) -> bool:
-    """The kernel serves this call: CPU backend, float32 q and pages, kernel built."""
-    f32 = jnp.dtype(jnp.float32)
-    return (jax.default_backend() == "cpu" and jnp.dtype(q_dtype) == f32 and jnp.dtype(page_dtype) == f32
-            and available())
+    """The kernel serves this call: CPU backend, float32 or bfloat16 q and pages, kernel built."""
+    ok = (jnp.dtype(q_dtype).name in _TARGETS and jnp.dtype(page_dtype).name in _TARGETS)
+    return ok and jax.default_backend() == "cpu" and available()
 
 
 def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts, q_lens, *, scale):
     """Packed layout: q [T, H, D]; sequence s owns tokens [q_starts[s], q_starts[s] + q_lens[s]).
-    Same result as `packed_attention_reference` (float32 only); needs `available()`."""
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    Same result as `packed_attention_reference` (float32 softmax; pages float32 or bfloat16;
+    the output in q's dtype); needs `available()`."""
+    target, _ = _TARGETS[jnp.dtype(k_pages.dtype).name]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     i32 = lambda x: x.astype(jnp.int32)
-    return call(q, k_pages, v_pages, i32(block_tables), i32(kv_lens), i32(q_starts), i32(q_lens),
-                scale=np.float32(scale))
+    out = call(q.astype(jnp.float32), k_pages, v_pages, i32(block_tables), i32(kv_lens), i32(q_starts),
+               i32(q_lens), scale=np.float32(scale))
+    return out.astype(q.dtype)
 
 
 def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale):
@@ -102,3 +110,27 @@ def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
     out = packed_attention_native(q.reshape(s * nq, h, d), k_pages, v_pages, block_tables, kv_lens, starts,
                                   q_lens, scale=scale)
     return out.reshape(s, nq, h, d)
+
+
+def native_write_supported(page_dtype) -> bool:
+    """The native KV write and block copy serve this pool: bfloat16 pages on the CPU backend,
+    kernel built (XLA:CPU widens a bf16 scatter, or a bf16 update in a loop, to f32 over the
+    whole pool; f32 pools are updated in place)."""
+    return jnp.dtype(page_dtype) == jnp.bfloat16 and jax.default_backend() == "cpu" and available()
+
+
+def write_kv_native(k_pages, v_pages, k, v, slot_mapping):
+    """`reference.write_kv` for bfloat16 pools on CPU, in place (the pools alias the results)."""
+    call = jax.ffi.ffi_call(_WRITE_TARGET[0], (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                                               jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+                            input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    return call(k_pages, v_pages, bf16(k), bf16(v), slot_mapping.astype(jnp.int32))
+
+
+def copy_blocks_native(kv, num_layers: int, src, dst):
+    """`models.kv_cache.copy_blocks` for bfloat16 pools on CPU, in place."""
+    k, v = kv
+    call = jax.ffi.ffi_call(_COPY_TARGET[0], (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                            input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
+    return call(k, v, src.astype(jnp.int32), dst.astype(jnp.int32), num_layers=np.int64(num_layers))

@@ -6,18 +6,23 @@
 All checks read static shapes and dtypes only, so the wrappers run inside jax.jit.
 impl:
   "auto"        TPU -> "pallas_tpu", GPU -> "pallas_gpu" (when the page size suits the
-                kernel, else "chunked"); CPU -> "native" for float32 when the kernel builds,
-                else "ragged"; other backends -> "ragged"
+                kernel, else "chunked"); CPU -> "native" when the kernel builds, else
+                "ragged"; other backends -> "ragged"
   "reference"   gather every page (paged_attention_reference)
   "chunked"     online-softmax loop over a padded [S, chunk] slab of pages in use
                 (paged_attention_chunked)
   "ragged"      online-softmax loop over a flat list of every sequence's own page units
                 (paged_attention_ragged; the fastest XLA path on CPU)
-  "native"      C++ kernel through the XLA FFI, CPU and float32 only (cpu_native.py;
-                several times faster than "ragged" there)
+  "native"      C++ kernel through the XLA FFI, CPU only (cpu_native.py; several times
+                faster than "ragged" there)
   "pallas_tpu", "pallas_gpu"                       compiled kernels: the decode kernel for
                                                    Q == 1, the prefill kernel for Q > 1
   "pallas_tpu_interpret", "pallas_gpu_interpret"   the same bodies in interpret mode (tests)
+
+Dtypes: q and the pages each float32 or bfloat16. Softmax and accumulation run in float32
+everywhere; the output has q's dtype. bf16 pages with an f32 q (the engine's bf16 KV cache):
+the Pallas kernels feed their dots bf16 (q rounded, common.compute_dtype), the native kernel
+and the jnp paths widen the pages to f32.
 """
 from __future__ import annotations
 
@@ -99,7 +104,7 @@ def _resolve(impl, q_dtype, page_size, page_dtype):
             return "pallas_gpu" if gpu_supported(page_size) else "chunked"
         return "native" if native_supported(q_dtype, page_dtype) else "ragged"
     if impl == "native" and not native_supported(q_dtype, page_dtype):
-        raise ValueError("impl='native' needs the CPU backend, float32 q and pages, and a built kernel "
+        raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q and pages, and a built kernel "
                          f"(backend {backend!r}, q {q_dtype}, pages {page_dtype}; see cpu_native.py)")
     if impl == "pallas_tpu" and backend != "tpu":
         raise ValueError(f"impl='pallas_tpu' needs a TPU backend (have {backend!r}); "
@@ -221,7 +226,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, kv_lens, *, scale=
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Scatter k, v [T, Hkv, D] into their slots (slot_mapping [T] int32, -1 = drop)."""
+    """Scatter k, v [T, Hkv, D] into their slots (slot_mapping [T] int32, -1 = drop), cast to
+    the pages' dtype. bf16 pages on CPU go through the native in-place write (cpu_native.py)."""
     _check_rank("k_pages", k_pages, 4, "[Hkv, NB, BS, D]")
     _check_rank("k", k, 3, "[T, Hkv, D]")
     _check_rank("slot_mapping", slot_mapping, 1, "[T]")
@@ -238,4 +244,6 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     _check_int32("slot_mapping", slot_mapping)
     _check_float("k_pages", k_pages)
     _check_float("k", k)
+    if cpu_native.native_write_supported(k_pages.dtype):  # in place; XLA:CPU would widen the pool
+        return cpu_native.write_kv_native(k_pages, v_pages, k, v, slot_mapping)
     return reference.write_kv(k_pages, v_pages, k, v, slot_mapping)

@@ -13,3 +13,13 @@ def test_generate_rejects_bad_arguments_with_a_clear_message(capsys):
     assert "max_tokens may be 0 only with prompt_logprobs" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", "/nonexistent/dir"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_speculative_config_flag_is_checked(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--speculative-config", "{not json"])
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(["generate", "hi", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}']) == 2
+    assert "not supported" in capsys.readouterr().err

@@ -13,12 +13,16 @@ from tiny_models import hf_greedy
 NUM_BLOCKS = 4096
 
 
-@pytest.fixture(scope="module", params=["paged", "dense"])
+@pytest.fixture(scope="module", params=["paged", "dense", "paged-bf16"])
 def engine(request, tiny_checkpoints):
+    """paged-bf16: a bf16 model and KV cache (XLA:CPU would widen a bf16 scatter to an f32
+    copy of the pool; the native write keeps it in place)."""
     path, _ = tiny_checkpoints("llama")
-    kw = dict(num_blocks=NUM_BLOCKS) if request.param == "paged" else dict(num_blocks=64)
-    return LLMEngine(str(path), stream_text=False, kv_cache=request.param, block_size=8, max_num_seqs=8,
-                     max_model_len=96, max_num_batched_tokens=64, **kw)
+    kind, _, dtype = request.param.partition("-")
+    kw = dict(num_blocks=NUM_BLOCKS) if kind == "paged" else dict(num_blocks=64)
+    return LLMEngine(str(path), stream_text=False, kv_cache=kind, block_size=8, max_num_seqs=8,
+                     max_model_len=96, max_num_batched_tokens=64, dtype={"bf16": "bfloat16"}.get(dtype, "float32"),
+                     **kw)
 
 
 def _pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
@@ -26,7 +30,7 @@ def _pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
     size = int(np.prod(pool_shape))
     found = []
     for line in hlo.splitlines():
-        m = re.search(r"= f32\[([\d,]+)\]\{[\d,]*\} copy\(", line)
+        m = re.search(r"= (?:f32|bf16)\[([\d,]+)\]\{[\d,]*\} copy\(", line)
         if m and int(np.prod([int(x) for x in m.group(1).split(",")])) == size:
             found.append(line.strip()[:160])
     return found

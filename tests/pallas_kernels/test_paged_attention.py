@@ -276,7 +276,8 @@ def test_auto_routing(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(ops.cpu_native, "available", lambda: True)
     assert ops._resolve("auto", F32, 16, F32) == "native"
-    assert ops._resolve("auto", BF16, 16, BF16) == "ragged"  # the native kernel is float32 only
+    assert ops._resolve("auto", BF16, 16, BF16) == "native"
+    assert ops._resolve("auto", F32, 16, BF16) == "native"  # a bf16 KV cache under an f32 model
     monkeypatch.setattr(ops.cpu_native, "available", lambda: False)  # no compiler
     assert ops._resolve("auto", F32, 16, F32) == "ragged"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
@@ -293,15 +294,16 @@ def test_auto_routing(monkeypatch):
 # ---------------------------------------------------------------- lowering smoke tests (CPU)
 
 @pytest.mark.parametrize("kind", ["gpu", "tpu"])
-@pytest.mark.parametrize("dtype,d", [(BF16, 48), (F32, 128)])
-def test_lowers_for_device(kind, dtype, d, monkeypatch):
+@pytest.mark.parametrize("dtype,page_dtype,d", [(BF16, BF16, 48), (F32, F32, 128),
+                                                  (F32, BF16, 64)])  # the last: a bf16 KV cache, f32 model
+def test_lowers_for_device(kind, dtype, page_dtype, d, monkeypatch):
     """Lower (not compile) each kernel for its platform from any host: catches Pallas
     lowering-rule errors; Triton/Mosaic compilation itself still needs the device."""
     from jax import export
     s, g, bs, nb = 4, 4, 16, 32
     args = (jax.ShapeDtypeStruct((s, HKV * g, d), dtype),
-            jax.ShapeDtypeStruct((HKV, nb, bs, d), dtype),
-            jax.ShapeDtypeStruct((HKV, nb, bs, d), dtype),
+            jax.ShapeDtypeStruct((HKV, nb, bs, d), page_dtype),
+            jax.ShapeDtypeStruct((HKV, nb, bs, d), page_dtype),
             jax.ShapeDtypeStruct((s, MB), jnp.int32), jax.ShapeDtypeStruct((s,), jnp.int32))
     if kind == "gpu":
         fn, platform = paged_decode_attention_gpu, "cuda"

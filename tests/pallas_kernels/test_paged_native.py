@@ -53,17 +53,19 @@ def test_one_page_per_sequence_is_the_dense_layout():
     np.testing.assert_array_equal(np.asarray(dense), np.asarray(out))
 
 
-def test_auto_picks_native_on_cpu_for_float32_only():
+def test_auto_picks_native_on_cpu():
     args = make_batch(16, 3, 3, 64, F32, [(1, 40), (1, 7)], 1, 4)
     assert native_supported(jnp.float32, jnp.float32)
     np.testing.assert_array_equal(np.asarray(paged_attention(*args, scale=0.125)), np.asarray(native(*args, scale=0.125)))
     dec = paged_decode_attention(args[0][:, 0], *args[1:5], scale=0.125, impl="native")
     assert_close(dec, paged_attention_reference(*args, scale=0.125)[:, 0], F32)
-    bf = make_batch(16, 3, 3, 64, BF16, [(1, 40)], 1, 4)
-    assert not native_supported(jnp.bfloat16, jnp.bfloat16)
-    assert_close(paged_attention(*bf, scale=0.125), paged_attention_reference(*bf, scale=0.125), BF16)
-    with pytest.raises(ValueError, match="impl='native' needs"):
-        paged_attention(*bf, scale=0.125, impl="native")
+    bf = make_batch(16, 3, 3, 64, BF16, [(1, 40)], 1, 4)  # bf16 q and pages: q widened, output cast back
+    assert native_supported(jnp.bfloat16, jnp.bfloat16) and native_supported(jnp.float32, jnp.bfloat16)
+    out = paged_attention(*bf, scale=0.125)
+    assert out.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(native(*bf, scale=0.125)))
+    assert_close(out, paged_attention_reference(*bf, scale=0.125), BF16)
+    assert not native_supported(jnp.float16, jnp.float32)
 
 
 def test_chained_inside_jit():

@@ -130,15 +130,16 @@ def test_auto_routes_prefill_to_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["gpu", "tpu"])
-@pytest.mark.parametrize("dtype,d", [(BF16, 48), (F32, 128)])
-def test_prefill_lowers_for_device(kind, dtype, d, monkeypatch):
+@pytest.mark.parametrize("dtype,page_dtype,d", [(BF16, BF16, 48), (F32, F32, 128),
+                                                  (F32, BF16, 64)])  # the last: a bf16 KV cache, f32 model
+def test_prefill_lowers_for_device(kind, dtype, page_dtype, d, monkeypatch):
     """Lower (not compile) each prefill kernel for its platform from any host: catches Pallas
     lowering-rule errors; Triton/Mosaic compilation itself still needs the device."""
     from jax import export
     s, nq, g, bs, nb = 2, 24, 4, 16, 32
     args = (jax.ShapeDtypeStruct((s, nq, HKV * g, d), dtype),
-            jax.ShapeDtypeStruct((HKV, nb, bs, d), dtype),
-            jax.ShapeDtypeStruct((HKV, nb, bs, d), dtype),
+            jax.ShapeDtypeStruct((HKV, nb, bs, d), page_dtype),
+            jax.ShapeDtypeStruct((HKV, nb, bs, d), page_dtype),
             jax.ShapeDtypeStruct((s, MB), jnp.int32), jax.ShapeDtypeStruct((s,), jnp.int32),
             jax.ShapeDtypeStruct((s,), jnp.int32))
     if kind == "gpu":

@@ -93,6 +93,10 @@ def main(out_dir: Path) -> dict:
                     num_blocks=4, max_model_len=128)
         case["dense"] = greedy(dense)
         del llm, dense
+    for tp in (1, 2):  # bf16 matrices and KV cache; under tp the o / down partial sums are f32
+        llm = LLM(llama, tensor_parallel_size=tp, dtype="bfloat16", **ENGINE)
+        res[f"bf16_tp{tp}"] = {"tokens": greedy(llm), "kv_dtype": str(llm.engine.runner.kv[0].dtype)}
+        del llm
     for tp in (1, 2):  # a pool too small for all three: the newest requests are preempted and recomputed
         small = dict(ENGINE, num_blocks=7)
         llm = LLM(llama, tensor_parallel_size=tp, enable_prefix_caching=False, **small)

@@ -1,0 +1,111 @@
+"""Where a decode step's time goes: the engine's decode step against its matmuls alone.
+
+`decode_step_ms`: the median wall time of the engine's decode steps at `rows` running
+requests (host work, forward pass, sampler). `matmul_floor_ms`: the same step's matmuls only,
+with the model's own weights and dtype (per layer qkv, o, gate/up, down; then the lm_head; the
+glue between them is a slice, an add and a multiply), one jitted call at `rows` rows. The gap
+is everything else: attention, norms, rope, KV writes, sampling, host.
+
+    python scripts/step_floor.py [--model DIR] [--dtype bfloat16] [--rows 16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def decode_step_ms(engine, prompts: list[list[int]], steps: int = 24) -> float:
+    """Median ms of the engine's last `steps` decode steps of these prompts (all running)."""
+    from pagedjax import SamplingParams
+
+    ids = [f"floor-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    times = []
+    try:
+        for _ in range(steps + 4):  # the prompts take the first step(s)
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return 1e3 * float(np.median(times[-steps:]))
+
+
+def matmul_floor_ms(model, rows: int = 16, iters: int = 30) -> float:
+    """Median ms of the decode step's matmuls alone (see the module doc)."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.llama import linear
+
+    cfg = model.config
+    q_width, inter = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+    names = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
+
+    def param(layer, name):
+        mod, attr = name.split(".")
+        return getattr(getattr(layer, mod), attr)[...]
+
+    if model.scan_layers:  # stacked [L, ...]
+        weights = [tuple(param(model.layers, n)[i] for n in names) for i in range(cfg.num_layers)]
+    else:
+        weights = [tuple(param(layer, n) for n in names) for layer in model.layers]
+    head = model.embed[...] if model.lm_head is None else model.lm_head[...]
+
+    @jax.jit
+    def chain(weights, head, x):
+        for wqkv, wo, w_gate_up, w_down in weights:
+            qkv = linear(x, wqkv)
+            x = x + linear(qkv[:, :q_width], wo)
+            gu = linear(x, w_gate_up)
+            x = x + linear(gu[:, :inter] * gu[:, inter:], w_down)
+        return linear(x, head)
+
+    x = jnp.ones((rows, cfg.hidden_size), jnp.float32)
+    jax.block_until_ready(chain(weights, head, x))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(chain(weights, head, x))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model dir (default: random SmolLM2-135M-shaped Llama)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_throughput import make_random_checkpoint
+
+    from pagedjax.engine import LLMEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            model_dir = tmp
+            make_random_checkpoint(Path(tmp))
+        engine = LLMEngine(model_dir, stream_text=False, max_num_seqs=args.rows, max_model_len=512,
+                           enable_prefix_caching=False, dtype=args.dtype)
+        engine.warmup(progress=False)
+        prompts = np.random.default_rng(0).integers(3, 1000, (args.rows, args.prompt_len)).tolist()
+        step = decode_step_ms(engine, prompts)
+        floor = matmul_floor_ms(engine.model, args.rows)
+    print(f"{args.dtype}: decode step {step:.1f} ms at {args.rows} rows; its matmuls alone {floor:.1f} ms "
+          f"({100 * floor / step:.0f}%)")
+
+
+if __name__ == "__main__":
+    main()
