@@ -140,13 +140,14 @@ def test_penalties_over_http_equal_the_python_api(server, model):
     ids = np.random.default_rng(1).integers(2, 384, 12).tolist()
     fields = dict(presence_penalty=1.2, frequency_penalty=0.7, logit_bias={"9": 4.0})
     extra = dict(repetition_penalty=1.3, min_tokens=3, ignore_eos=True)
-    r = server.client.completions.create(model="fake-model", prompt=ids, max_tokens=10, temperature=0,
+    r = server.client.completions.create(model="fake-model", prompt=ids, max_tokens=10, temperature=0, logprobs=0,
                                          extra_body=extra, **fields)
     llm = LLM(str(model[0]), max_model_len=512, max_num_seqs=4, num_blocks=32, block_size=8, warmup=False)
     want = llm.generate([ids], SamplingParams(max_tokens=10, presence_penalty=1.2, frequency_penalty=0.7,
                                               logit_bias={9: 4.0}, **extra), use_tqdm=False)[0].outputs[0]
     plain = llm.generate([ids], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    assert r.choices[0].logprobs.tokens == [plain.tokenizer.decode([t]) for t in want.token_ids] and want.token_ids != plain.token_ids
+    assert r.choices[0].logprobs.tokens == [llm.tokenizer.decode([t]) for t in want.token_ids]
+    assert want.token_ids != plain.token_ids
 
 
 def test_speculative_decoding_over_http(model):
