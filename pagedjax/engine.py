@@ -29,7 +29,7 @@ from pagedjax.request import Request
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.speculative import propose
-from pagedjax.token_mask import MaskRules, TokenMask
+from pagedjax.token_mask import MaskRules, TokenMask, mask_needed
 
 
 @dataclass(slots=True, eq=False)
@@ -210,7 +210,7 @@ class LLMEngine:
             first = out.row_offsets()
             for i, (req, start, q) in enumerate(zip(out.requests, out.starts, out.q_lens)):
                 seq = self._seq_of.get(req.request_id)
-                if seq is not None and seq.mask is not None and start + q >= req.num_tokens:
+                if seq is not None and seq.mask is not None and start + q >= req.num_tokens and mask_needed(req):
                     seq.mask.fill(bitmask[rank * rows + first[i]], req.output_token_ids)
 
     def _collect_prompt_logprobs(self, outs, plp) -> None:

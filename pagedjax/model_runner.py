@@ -81,7 +81,7 @@ class ModelRunner:
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                    (self.state, self.kv))
         # logit processors: penalty slots (per rank) and the all-allowed token mask per S
-        self.vocab_size = _logits_width(model, cfg)
+        self.vocab_size = _logits_width(model)
         self.penalty_slots = [PenaltySlots(buckets.max_num_seqs) for _ in range(self.dp)]
         self.penalties = init_penalty_state(self.dp * buckets.max_num_seqs, self.vocab_size, self._rows_by_rank)
         self._pending_loads: list[tuple] = []  # load_slot calls to run before the next sampler
@@ -145,12 +145,11 @@ class ModelRunner:
             return self._executables[t]
 
     def _bitmask_ones(self, s: int, host: bool = False):
-        """The all-allowed token mask [dp * S, W] (numpy, or kept on the device)."""
-        ones = np.full((self.dp * s, bitmask_words(self.vocab_size)), -1, np.int32)
+        """The all-allowed token mask [dp * S, W] (numpy, or kept on the device: built once)."""
         if host:
-            return ones
+            return np.full((self.dp * s, bitmask_words(self.vocab_size)), -1, np.int32)
         if s not in self._all_allowed:
-            self._all_allowed[s] = jax.device_put(ones, self._rows_by_rank)
+            self._all_allowed[s] = jax.device_put(self._bitmask_ones(s, host=True), self._rows_by_rank)
         return self._all_allowed[s]
 
     def _compile_load_slot(self) -> None:
@@ -350,7 +349,7 @@ class _Result:
     prompt: object = None  # PromptLogprobs (numpy) of the step's tokens, when asked
 
 
-def _logits_width(model, cfg) -> int:
+def _logits_width(model) -> int:
     head = model.embed if model.lm_head is None else model.lm_head
     return int(head[...].shape[0])
 
@@ -379,7 +378,7 @@ class _SamplingArrays:
             self.penalty_slot[row] = slot
             self.repetition[row], self.frequency[row], self.presence[row] = (p.repetition_penalty, p.frequency_penalty,
                                                                              p.presence_penalty)
-        self.constrained[row] = produces and p.uses_token_mask and mask_needed(req)
+        self.constrained[row] = produces and mask_needed(req)
 
     def inputs(self) -> SamplingInputs:
         return SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step,
