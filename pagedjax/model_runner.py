@@ -93,6 +93,9 @@ class ModelRunner:
         self._compile_lock = threading.Lock()
         self._warmup_thread: threading.Thread | None = None
         self._stop_warmup = threading.Event()
+        self._warmup_go = threading.Event()  # set: the background warm-up may compile its next bucket
+        self._warmup_go.set()
+        self._warmup_forced = False
         self.warmup_error: BaseException | None = None
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
         self.last_t = 0  # T of the last step
@@ -179,7 +182,9 @@ class ModelRunner:
 
     def start_background_warmup(self, first: int = 1) -> None:
         """Compiles the `first` smallest buckets now and the rest on a background thread, so
-        serving starts at once; the scheduler keeps each step within `ready_tokens()`."""
+        serving starts at once; the scheduler keeps each step within `ready_tokens()`. The
+        thread compiles only while `allow_warmup` lets it (the engine pauses it while requests
+        run in buckets already compiled: on a few cores a compile slows every step beside it)."""
         ladder = self.buckets.token_buckets()
         self._compile_load_slot()
         for t in ladder[:first]:
@@ -188,6 +193,7 @@ class ModelRunner:
         def run():
             try:
                 for t in ladder[first:]:
+                    self._warmup_go.wait()
                     if self._stop_warmup.is_set():
                         return
                     self.compile_bucket(t)
@@ -198,14 +204,25 @@ class ModelRunner:
         self._warmup_thread.start()
         _warming_up.add(self)
 
+    def allow_warmup(self, allowed: bool) -> None:
+        """Lets the background warm-up compile its next bucket (True) or holds it before the
+        next one (False); ignored once `wait_for_warmup` asked it to finish."""
+        if allowed or self._warmup_forced:
+            self._warmup_go.set()
+        else:
+            self._warmup_go.clear()
+
     def stop_warmup(self) -> None:
         """Stops a background warm-up after the bucket it is compiling (waits for that one)."""
         self._stop_warmup.set()
+        self._warmup_go.set()
         if self._warmup_thread is not None:
             self._warmup_thread.join()
 
     def wait_for_warmup(self) -> None:
         """Blocks until the background warm-up is done; re-raises its error, if any."""
+        self._warmup_forced = True
+        self._warmup_go.set()
         if self._warmup_thread is not None:
             self._warmup_thread.join()
         if self.warmup_error is not None:

@@ -12,17 +12,17 @@ a warm JAX compilation cache, for three ways of using the default model.
   the warm-up runs in the background, until `wait_for_warmup()` returns: JSON only).
 
 Each target runs twice with JAX_COMPILATION_CACHE_DIR set to a fresh empty directory of its
-own: cold (empty), then warm (the same directory, filled by the cold run). pagedjax leaves a
-cache dir the user configured alone (pagedjax/compile_counter.py), and JAX keeps only
-compilations that took at least 1 s (--cache-min-compile-secs changes that), so a warm start
-still compiles the quick ones, and one near 1 s may or may not be kept. The model files must
-already be converted under ~/.cache/pagedjax (not cleared here). Every run sets JAX_LOG_COMPILES=1 to count, from its stderr, XLA compilations ("compiled") and
+own: cold (empty), then warm (the same directory, filled by the cold run). pagedjax uses that
+directory and keeps every executable in it, however quick its compile
+(pagedjax/compile_counter.py; --cache-min-compile-secs sets JAX's threshold instead). The
+model files must already be converted under ~/.cache/pagedjax (not cleared here). --dtype is
+passed to every run (default auto: the JSON of the llm runs says what it chose). Every run sets JAX_LOG_COMPILES=1 to count, from its stderr, XLA compilations ("compiled") and
 persistent-cache hits ("hits") up to the measured moment (the JSON also has the process's
 totals); serve's /metrics and the LLM's stats() ("shapes": compiled step shapes) are reported
 as well; pagedjax's own num_compilations counts cache hits as compilations.
 Each process may take at most --timeout seconds (600). Writes JSON (results/bench_startup.json).
 
-    python scripts/bench_startup.py [--only generate,serve,llm] [--out results/bench_startup.json]
+    python scripts/bench_startup.py [--only generate,serve,llm] [--dtype float32] [--out results/bench_startup.json]
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def mark(event, **kw):
 mark("python_started")
 from pagedjax import LLM, SamplingParams
 mark("imported")
-llm = LLM(max_num_seqs=32, max_model_len=1024)
-mark("llm_constructed")
+llm = LLM(max_num_seqs=32, max_model_len=1024, dtype=sys.argv[3])
+mark("llm_constructed", dtype=str(llm.engine.model.dtype))
 out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=1), use_tqdm=False)
 mark("first_token", token_ids=list(out[0].outputs[0].token_ids))
 s = llm.stats()
@@ -191,7 +191,7 @@ def _cache_entries(cache_dir: str) -> int:
 
 # -- targets --------------------------------------------------------------------------------
 def run_generate(cache_dir: str, args) -> dict:
-    cmd = _pagedjax_cmd() + ["generate", PROMPT, "--chat", "--max-tokens", "16"]
+    cmd = _pagedjax_cmd() + ["generate", PROMPT, "--chat", "--max-tokens", "16", "--dtype", args.dtype]
     proc = Proc(cmd, _env(cache_dir))
     rc = proc.wait(args.timeout)
     first = next((t for t, c in proc.chunks if c.strip()), None)
@@ -220,7 +220,8 @@ def _http(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int
 def run_serve(cache_dir: str, args) -> dict:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = Proc(_pagedjax_cmd() + ["serve", "--host", "127.0.0.1", "--port", str(port)], _env(cache_dir))
+    proc = Proc(_pagedjax_cmd() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype],
+                _env(cache_dir))
     try:
         health = None
         while health is None:
@@ -260,7 +261,7 @@ def run_serve(cache_dir: str, args) -> dict:
 
 
 def run_llm(cache_dir: str, args) -> dict:
-    proc = Proc([sys.executable, "-c", LLM_CHILD, repr(time.time()), PROMPT], _env(cache_dir))
+    proc = Proc([sys.executable, "-c", LLM_CHILD, repr(time.time()), PROMPT, args.dtype], _env(cache_dir))
     rc = proc.wait(args.timeout)
     events = {}
     for line in proc.stdout().splitlines():
@@ -271,7 +272,7 @@ def run_llm(cache_dir: str, args) -> dict:
         raise RuntimeError(f"the LLM process exited {rc}; stderr:\n{proc.stderr_tail()}")
     stats, done = events.get("stats", {}), events.get("warmup_done", {})
     return {"seconds": events["first_token"]["t"], "imported_s": events["imported"]["t"],
-            "llm_constructed_s": events["llm_constructed"]["t"], "first_token_s": events["first_token"]["t"],
+            "llm_constructed_s": events["llm_constructed"]["t"], "dtype": events["llm_constructed"].get("dtype"), "first_token_s": events["first_token"]["t"],
             "total_s": proc.elapsed(), "token_ids": events["first_token"]["token_ids"],
             "num_compilations": stats.get("num_compilations"), "num_compiled_shapes": stats.get("num_compiled_shapes"),
             "num_step_shapes": stats.get("num_step_shapes"), "all_shapes_compiled_s": done.get("t"),
@@ -301,7 +302,9 @@ def main() -> int:
                                                            "empty cache too, so it is only meaningful after cold)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds each measured process may take")
     p.add_argument("--cache-min-compile-secs", type=float, default=None,
-                   help="JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS for the runs (default: JAX's and pagedjax's 1 s)")
+                   help="JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS for the runs (default: pagedjax's 0, keep all)")
+    p.add_argument("--dtype", default="auto", help="--dtype of every run (auto: bfloat16 where the hardware has "
+                                                   "fast bf16, this CPU included if it has AVX512-BF16/AMX)")
     p.add_argument("--out", default="results/bench_startup.json")
     args = p.parse_args()
     targets = [t.strip() for t in args.only.split(",") if t.strip()]

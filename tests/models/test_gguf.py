@@ -129,7 +129,7 @@ def test_tensors_match_transformers_gguf_model(checkpoint, gguf_path):
     assert shape("model.layers.0.mlp.down_proj.weight") == (576, 1536)
 
 
-def test_orbax_dir_holds_the_gguf_tensors(checkpoint, model_dir):
+def test_model_dir_holds_the_gguf_tensors(checkpoint, model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     assert {k: config[k] for k in checkpoint.config} == checkpoint.config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
@@ -229,7 +229,7 @@ def test_default_model_dir_builds_once(tmp_path, monkeypatch, gguf_path, checkpo
     assert built == tmp_path / "models" / dm.DEFAULT_MODEL_NAME and is_complete(built)
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (built / name).is_file(), name
-    assert (built / "weights_orbax").is_dir()
+    assert (built / "model.safetensors").is_file() and not (built / "weights_orbax").exists()
     assert not list((tmp_path / "models").glob(".*build*")), "build dir left behind"
 
     def no_rebuild(*args, **kwargs):

@@ -37,6 +37,33 @@ def test_no_compilation_after_first_generate(tiny_checkpoints):
     assert llm.stats()["kv_blocks_free"] == 64
 
 
+def test_background_warmup_yields_to_steps_that_fit_and_resumes_when_idle_or_full(tiny_checkpoints):
+    """The warm-up thread holds before its next bucket while requests run in compiled buckets
+    (it would slow them), goes on when a step fills its budget (bigger buckets are wanted)
+    or the engine is idle, and `wait_for_warmup` always finishes it."""
+    path, _ = tiny_checkpoints("qwen2")
+    llm = LLM(str(path), max_num_seqs=4, max_model_len=256, block_size=8, num_blocks=64, max_num_batched_tokens=64)
+    engine, go = llm.engine, llm.engine.runner._warmup_go
+    engine.add_request("small", [3, 4, 5], SamplingParams(max_tokens=3))
+    engine.step()
+    assert not go.is_set(), "a 3-token step fits every bucket: the warm-up should wait"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert go.is_set(), "idle engine: the warm-up should go on"
+    engine.add_request("long", list(range(2, 202)), SamplingParams(max_tokens=2))
+    engine.step()
+    assert go.is_set(), "a 200-token prompt fills the step budget: the warm-up should go on"
+    engine.abort_request("long")
+    engine.add_request("small2", [3, 4, 5], SamplingParams(max_tokens=3))
+    engine.step()
+    llm.wait_for_warmup()  # finishes even while a request holds it
+    assert llm.engine.runner.compiled_shapes == [16, 32, 48, 64] and go.is_set()
+    engine.step()
+    assert go.is_set(), "after wait_for_warmup nothing holds the warm-up again"
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_default_configuration_compiles_ten_step_shapes():
     from pagedjax.buckets import Buckets
 
