@@ -16,6 +16,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, decode and prompt chunks together (default 2048)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens before scheduling the next (default: the host prepares "
+                        "step t + 1 while the device runs step t)")
     g.add_argument("--kv-cache", choices=["paged", "dense"], default="paged")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the model's matrices (activations stay float32); auto: bfloat16 where the hardware "
@@ -63,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
                 kv_cache_dtype=args.kv_cache_dtype,
                 seed=args.seed, speculative_config=args.speculative_config,
+                async_scheduling=not args.no_async_scheduling,
                 tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size)
 

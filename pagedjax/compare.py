@@ -96,7 +96,10 @@ class BackendRun:
         self.engine = LLMEngine(model, stream_text=True, kv_cache=kind, block_size=block_size,
                                 max_num_seqs=max_num_seqs, max_model_len=workload.max_model_len,
                                 enable_prefix_caching=enable_prefix_caching, dtype=dtype,
-                                kv_cache_memory_gb=self.budget_bytes / (1 << 30), **(engine_kwargs or {}))
+                                kv_cache_memory_gb=self.budget_bytes / (1 << 30),
+                                # one whole step per step() call: each memory sample is of written KV,
+                                # not of blocks an unread step in flight holds
+                                **{"async_scheduling": False, **(engine_kwargs or {})})
         assert self.engine.kv_budget_tokens == budget_tokens
         self.requests = workload.requests(self.engine.model_config.vocab_size)
         self.engine.warmup(progress)

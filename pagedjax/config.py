@@ -32,6 +32,7 @@ class EngineConfig:
     data_parallel_size: int = 1  # ranks with their own block pool and rows ("data" axis); num_blocks, max_num_seqs per rank
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     speculative_config: dict | SpeculativeConfig | None = None
+    async_scheduling: bool = True  # schedule and dispatch step t + 1 before reading step t's tokens
 
     def __post_init__(self) -> None:
         def positive(name, value):

@@ -25,7 +25,7 @@ from pagedjax.memory import KVMemory, kv_memory
 from pagedjax.model_runner import ModelRunner
 from pagedjax.parallel import bytes_per_device, make_mesh
 from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.request import Request
+from pagedjax.request import PLACEHOLDER, Request
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.speculative import propose
@@ -130,6 +130,10 @@ class LLMEngine:
         self._step_seconds: dict[int, float] = {}  # T -> moving average of a step's wall time
         for sched in self.schedulers:
             sched.step_cost = self._step_cost
+        # schedule step t + 1 while the device runs step t (see step()); never across processes,
+        # whose followers replay process 0's steps one at a time
+        self.async_scheduling = cfg.async_scheduling and not is_multiprocess()
+        self._inflight = None  # (outs, PendingStep) dispatched, not yet read back
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
 
@@ -259,40 +263,110 @@ class LLMEngine:
             self.runner.allow_warmup(True)
 
     def has_unfinished_requests(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        return self._inflight is not None or any(s.has_unfinished() for s in self.schedulers)
 
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one model step; returns the outputs of requests that changed."""
+        """Runs one model step and returns the outputs of requests that changed.
+
+        With async scheduling the engine schedules and dispatches the next step before it reads
+        this one's tokens, so the host prepares step t + 1 while the device runs step t: the
+        tokens step t samples reach step t + 1 on the device (`Request.pending_row`), and a
+        request that stops at step t (EOS, stop string) wastes one row of step t + 1, whose
+        result is dropped. Requests whose next step needs the sampled token on the host first
+        (token masks, penalties, beams, speculative drafts) run one step at a time."""
+        if self._inflight is not None:
+            outs, pending = self._inflight
+            self._inflight = None
+        else:
+            outs = self._schedule()
+            if outs is None:
+                return []
+            pending = self._dispatch(outs)
+        if self._can_overlap():
+            produced = self._update(outs, pending)  # placeholders for the tokens still on the device
+            nxt = self._schedule(hold=self._finishing(produced))
+            if nxt is not None:
+                self._inflight = (nxt, self._dispatch(nxt, prev=pending))
+            result = self.runner.fetch(pending)
+            self._fill_placeholders(produced, result)
+        else:
+            result = self.runner.fetch(pending)
+            produced = self._update(outs, pending, result)
+        if self.spec is not None:  # what a step of each size costs here (the draft allocation weighs it)
+            took = time.perf_counter() - pending.began
+            t = pending.t
+            self._step_seconds[t] = took if t not in self._step_seconds else 0.8 * self._step_seconds[t] + 0.2 * took
+        if result.prompt is not None:
+            self._collect_prompt_logprobs(outs, result.prompt)
+        return self._process(produced, result)
+
+    def _schedule(self, hold: frozenset = frozenset()) -> list | None:
+        """One SchedulerOutput per data rank for the next step (None: nothing to run)."""
         budget = self.runner.ready_tokens() or self.buckets.max_num_batched_tokens
         if self.spec is not None:
             self._propose_drafts()
         outs = []
         for sched in self.schedulers:
             sched.token_budget = budget
-            outs.append(sched.schedule())
+            outs.append(sched.schedule(hold))
         if all(out is None for out in outs):
             self.runner.allow_warmup(True)
-            return []
+            return None
         # a background warm-up waits while every step fits the buckets it has compiled so far
         self.runner.allow_warmup(any(out is not None and sum(out.q_lens) >= budget for out in outs))
-        began = time.perf_counter()
-        result = self.runner.execute(outs, fill_masks=lambda bitmask, rows: self._fill_masks(outs, bitmask, rows))
-        if self.spec is not None:  # what a step of each size costs here (the draft allocation weighs it)
-            t, took = self.runner.last_t, time.perf_counter() - began
-            self._step_seconds[t] = took if t not in self._step_seconds else 0.8 * self._step_seconds[t] + 0.2 * took
-        if result.prompt is not None:
-            self._collect_prompt_logprobs(outs, result.prompt)
+        return outs
+
+    def _dispatch(self, outs, prev=None):
+        return self.runner.dispatch(outs, lambda bitmask, rows: self._fill_masks(outs, bitmask, rows), prev)
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are read: no
+        request needs its last token on the host to build its next step."""
+        if not self.async_scheduling or self.spec is not None or self._beam_groups:
+            return False
+        return not any(g.params.uses_token_mask or g.params.uses_penalties for g in self._groups.values())
+
+    def _update(self, outs, pending, result=None) -> list[tuple[Request, int, list[int] | None]]:
+        """Folds a step into the schedulers: (request, its first sampled row, its tokens) for
+        each request that produced. Without `result` (async scheduling) each produced token is
+        a PLACEHOLDER, and the request's pending_row points at its row of the step's padded
+        tokens (`PendingStep.tokens`) for the next step to read on the device."""
         self.num_steps += 1
+        rows = self.buckets.num_rows(pending.t)  # sampled rows per data rank
         produced = []
-        rows = len(result.tokens) // len(outs)  # sampled rows per data rank (R of the step)
         for rank, (sched, out) in enumerate(zip(self.schedulers, outs)):
             if out is None:
                 continue
             self.num_computed_prompt_tokens += out.num_prefill_tokens
-            first = [rank * rows + r for r in out.row_offsets()]  # each entry's first sampled row
-            emitted = [self._emitted(result, out, i, row) for i, row in enumerate(first)]
-            produced += [(req, first[i], tokens) for req, i, tokens in sched.update(out, emitted)]
+            offsets = out.row_offsets()
+            first = [rank * rows + r for r in offsets]  # each entry's first sampled row
+            if result is None:
+                emitted = [[PLACEHOLDER] for _ in offsets]
+            else:
+                emitted = [self._emitted(result, out, i, row) for i, row in enumerate(first)]
+            for req, i, tokens in sched.update(out, emitted):
+                if result is None and tokens is not None:
+                    req.pending_row = rank * self.runner.max_rows + offsets[i]
+                produced.append((req, first[i], tokens))
+        return produced
+
+    def _finishing(self, produced) -> frozenset:
+        """Requests that end with the token just produced whatever it is (max_tokens,
+        max_model_len): the next step leaves them out."""
+        return frozenset(req for req, _, tokens in produced if tokens is not None and (
+            len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len))
+
+    @staticmethod
+    def _fill_placeholders(produced, result) -> None:
+        """Puts the step's sampled tokens where `_update` left placeholders."""
+        for req, row, tokens in produced:
+            if tokens is not None:
+                tokens[0] = req.output_token_ids[-1] = int(result.tokens[row])
+                req.pending_row = -1
+
+    def _process(self, produced, result) -> list[RequestOutput]:
+        """Stop checks, logprobs, grammars, text and outputs for the tokens a step produced."""
         touched: dict[str, _Group] = {}
         beams_touched: dict[int, BeamGroup] = {}
         now = time.monotonic()

@@ -53,6 +53,19 @@ class StepInputs:
     md: AttentionMetadata
     logits_indices: jax.Array  # [dp * S] int32: each sequence's last token within its rank's T (sampled)
     prompt_next: jax.Array  # [T] int32: the prompt token after each position, -1: no prompt logprobs asked
+    prev_rows: jax.Array  # [T] int32: the previous step's sampled row whose token goes here (not yet on the host), -1: none
+
+
+@dataclass
+class PendingStep:
+    """A dispatched step whose results are still on the device (`ModelRunner.fetch` reads them)."""
+
+    t: int  # the step's bucket
+    out: object  # SamplerOutput, on the device
+    tokens: jax.Array  # [dp * R_max] int32: the sampled tokens, each rank's rows padded to R_max (the next step's input)
+    wanted: list[str]  # the SamplerOutput fields to read back
+    prompt: object  # PromptLogprobs on the device, or None when no position asked
+    began: float  # time.perf_counter() at dispatch
 
 
 class ModelRunner:
@@ -86,6 +99,8 @@ class ModelRunner:
         self.penalties = init_penalty_state(self.dp * buckets.max_num_seqs, self.vocab_size, self._rows_by_rank)
         self._pending_loads: list[tuple] = []  # load_slot calls to run before the next sampler
         self._all_allowed: dict[int, jax.Array] = {}  # R -> [dp * R, W] int32 of ones, on device
+        self.max_rows = buckets.num_rows(buckets.max_num_batched_tokens)  # R_max: sampled rows of the largest step
+        self._no_prev = None  # [dp * R_max] int32 zeros on the device: the previous tokens of a step that reads none
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._sample = jax.jit(self._sample_fn, donate_argnums=(3,))
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
@@ -100,11 +115,13 @@ class ModelRunner:
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
         self.last_t = 0  # T of the last step
 
-    def _forward(self, state, kv, inputs: StepInputs, copies):
-        """-> (kv, logits [dp * S, V] of each sequence's last token, PromptLogprobs [dp * T])."""
+    def _forward(self, state, kv, inputs: StepInputs, copies, prev_tokens):
+        """-> (kv, logits [dp * S, V] of each sequence's last token, PromptLogprobs [dp * T]).
+        prev_tokens [dp * R_max]: the previous step's sampled tokens (see prev_rows)."""
         kv = copy_blocks_sharded(kv, self.num_layers, *copies, self.mesh)  # copy-on-write before any write
         model = nnx.merge(self.graphdef, state)
-        hidden, kv = model(inputs.tokens, inputs.md, kv, self.cache)  # [dp * T, E]
+        tokens = jnp.where(inputs.prev_rows >= 0, prev_tokens[jnp.maximum(inputs.prev_rows, 0)], inputs.tokens)
+        hidden, kv = model(tokens, inputs.md, kv, self.cache)  # [dp * T, E]
         # each data rank takes its own sequences' last tokens (no gather across ranks)
         h = hidden.reshape(self.dp, -1, hidden.shape[-1])  # [dp, T, E]
         idx = inputs.logits_indices.reshape(self.dp, -1, 1)  # [dp, S, 1]
@@ -115,8 +132,12 @@ class ModelRunner:
         return kv, logits, prompt_logprobs.compute(model.logits, hidden, inputs.prompt_next, self.dp)
 
     def _sample_fn(self, logits, sampling: SamplingInputs, bitmask, pstate):
-        """-> (penalty state with the kept tokens counted, SamplerOutput)."""
-        return sample_step(logits, sampling, bitmask, pstate, self.dp)
+        """-> (penalty state with the kept tokens counted, SamplerOutput, its tokens padded
+        to [dp * R_max] for the next step)."""
+        pstate, out = sample_step(logits, sampling, bitmask, pstate, self.dp)
+        r = out.tokens.shape[0] // self.dp
+        padded = jnp.pad(out.tokens.reshape(self.dp, r), ((0, 0), (0, self.max_rows - r))).reshape(-1)
+        return pstate, out, padded
 
     # -- compiled shapes ------------------------------------------------------------------
     @property
@@ -134,7 +155,7 @@ class ModelRunner:
             if t not in self._executables:
                 inputs, sampling, copies = self._idle_inputs(t)
                 spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._by_rank)
-                specs = jax.tree.map(spec, (inputs, copies))
+                specs = jax.tree.map(spec, (inputs, copies, self._prev_tokens(None, host=True)))
                 lowered = self._step.lower(*self._specs, *specs)
                 s = self.buckets.num_rows(t)
                 if s not in self._samplers:
@@ -146,6 +167,16 @@ class ModelRunner:
                                                            spec(self._bitmask_ones(s, host=True)), pspec).compile()
                 self._executables[t] = lowered.compile()
             return self._executables[t]
+
+    def _prev_tokens(self, prev: PendingStep | None, host: bool = False):
+        """The previous step's padded tokens, or zeros when the step reads none."""
+        if prev is not None:
+            return prev.tokens
+        if host:
+            return np.zeros(self.dp * self.max_rows, np.int32)
+        if self._no_prev is None:
+            self._no_prev = jax.device_put(self._prev_tokens(None, host=True), self._by_rank)
+        return self._no_prev
 
     def _bitmask_ones(self, s: int, host: bool = False):
         """The all-allowed token mask [dp * S, W] (numpy, or kept on the device: built once)."""
@@ -255,6 +286,7 @@ class ModelRunner:
         kv_lens, cu = np.zeros(dp * s, np.int32), np.zeros(dp * (s + 1), np.int32)
         logits_indices = np.zeros(dp * r, np.int32)
         prompt_next = np.full(dp * t, -1, np.int32)
+        prev_rows = np.full(dp * t, -1, np.int32)
         sampling = _SamplingArrays(dp * r)
         src, dst = np.zeros(dp * s, np.int32), np.full(dp * s, self.cache.num_blocks, np.int32)
         for rank, out in enumerate(outs):
@@ -279,6 +311,9 @@ class ModelRunner:
                     positions[t0 + off:t0 + off + ql] = pos
                     slots[t0 + off:t0 + off + ql] = np.where(pos >= req.num_shared_kv_tokens,
                                                              tables[row, pos // bs] * bs + pos % bs, -1)
+                if req.pending_row >= 0 and start <= req.num_tokens - 1 < start + ql:
+                    # its last token is being sampled by the previous step: the device takes it from there
+                    prev_rows[t0 + off + req.num_tokens - 1 - start] = req.pending_row
                 off += ql
                 if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                     prompt_next[t0 + off - ql:t0 + off] = prompt_logprobs.next_tokens(req.prompt_token_ids, start, ql)
@@ -295,7 +330,7 @@ class ModelRunner:
             if out.copies:
                 src[s0:s0 + len(out.copies)], dst[s0:s0 + len(out.copies)] = zip(*out.copies)
         md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
-        return t, StepInputs(tokens, md, logits_indices, prompt_next), sampling.inputs(), (src, dst)
+        return t, StepInputs(tokens, md, logits_indices, prompt_next, prev_rows), sampling.inputs(), (src, dst)
 
     def _penalty_slot(self, rank: int, req) -> int:
         """The request's penalty slot on its rank; a new one is loaded before the sampler runs."""
@@ -316,19 +351,23 @@ class ModelRunner:
         return self.prepare([None] * self.dp, t)[1:]
 
     def execute(self, outs: list[SchedulerOutput | None], fill_masks=None):
-        """Runs one step (one SchedulerOutput per data rank); returns the sampler output
-        (numpy), rank r's entry i in row r * R + out.row_offsets()[i] (R: sampled rows per
-        rank, `buckets.num_rows`), with `.prompt` the PromptLogprobs of
-        the step's tokens when some request asked for them (else None). Only the token ids
-        come back to the host, plus log-probabilities when a request wants them.
+        """Runs one step and waits for its result: `fetch(dispatch(outs, fill_masks))`."""
+        return self.fetch(self.dispatch(outs, fill_masks))
+
+    def dispatch(self, outs: list[SchedulerOutput | None], fill_masks=None, prev: PendingStep | None = None
+                 ) -> PendingStep:
+        """Starts one step (one SchedulerOutput per data rank) on the device and returns at
+        once. prev: the step dispatched just before, whose sampled tokens this one reads where
+        a request's `pending_row` says so (they never travel through the host).
 
         fill_masks(bitmask [dp * S, W] int32 all ones, S): writes the token masks of the
         constrained rows; called while the device runs the forward pass."""
+        began = time.perf_counter()
         t, inputs, sampling, copies = self.prepare(outs)
         self.last_t = t
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
-        self.kv, logits, plp = step(self.state, self.kv, inputs, copies)  # dispatched, runs async
+        self.kv, logits, plp = step(self.state, self.kv, inputs, copies, self._prev_tokens(prev))  # runs async
         for args in self._pending_loads:
             self.penalties = penalties.load_slot(self.penalties, *args)
         self._pending_loads = []
@@ -337,13 +376,21 @@ class ModelRunner:
             host = self._bitmask_ones(s, host=True)
             fill_masks(host, s)
             bitmask = host
-        self.penalties, result = self._samplers[s](logits, sampling, bitmask, self.penalties)
-        wait = time.perf_counter()
+        self.penalties, out, padded = self._samplers[s](logits, sampling, bitmask, self.penalties)
         wanted = ["tokens"] + (["logprobs", "top_ids", "top_logprobs"] if sampling.want_logprobs.any() else []) \
             + (["accepted", "resampled"] if (sampling.draft_next >= 0).any() else [])
-        result = _Result(**{k: to_host(getattr(result, k)) for k in wanted})
-        if (inputs.prompt_next >= 0).any():
-            result.prompt = jax.tree.map(to_host, plp)
+        return PendingStep(t, out, padded, wanted, plp if (inputs.prompt_next >= 0).any() else None, began)
+
+    def fetch(self, pending: PendingStep):
+        """Waits for a dispatched step and returns its sampler output (numpy): rank r's entry
+        i in row r * R + out.row_offsets()[i] (R: sampled rows per rank, `buckets.num_rows`),
+        with `.prompt` the PromptLogprobs of the step's tokens when some request asked for
+        them (else None). Only the token ids come back to the host, plus log-probabilities
+        when a request wants them."""
+        wait = time.perf_counter()
+        result = _Result(**{k: to_host(getattr(pending.out, k)) for k in pending.wanted})
+        if pending.prompt is not None:
+            result.prompt = jax.tree.map(to_host, pending.prompt)
         self.last_wait_s = time.perf_counter() - wait  # host blocked on the device
         return result
 

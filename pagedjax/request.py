@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pagedjax.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # an output token the device has sampled but the host has not read yet (async scheduling)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -41,6 +44,9 @@ class Request:
     num_accepted_drafts: int = 0
     beam_group: object = None  # the BeamGroup this request is a beam of, if any
     dp_rank: int = 0  # the data-parallel rank whose block pool and scheduler hold this request
+    # async scheduling: the row of the step in flight that samples its last output token (a
+    # PLACEHOLDER on the host until that step is read back), -1: none pending
+    pending_row: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -118,10 +118,12 @@ class Scheduler:
         req.finish_reason, req.stop_reason = reason, stop_reason
 
     # -- scheduling -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput | None:
+    def schedule(self, hold: frozenset = frozenset()) -> SchedulerOutput | None:
+        """hold: running requests to leave out of this step (async scheduling: they finish
+        once the step in flight is read back)."""
         self._copies = []
         budget = min(self.token_budget, self.buckets.max_num_batched_tokens)
-        decode = self._schedule_decode(budget)
+        decode = self._schedule_decode(budget, hold)
         reqs, starts, q_lens = self._schedule_prefill(budget - len(decode))
         if not decode and not reqs:
             return None
@@ -218,13 +220,13 @@ class Scheduler:
             budget -= q
         self.waiting.extendleft(reversed(skipped))
 
-    def _schedule_decode(self, budget: int) -> list[Request]:
+    def _schedule_decode(self, budget: int, hold: frozenset = frozenset()) -> list[Request]:
         """Running requests with exactly one token to go, their next slot ready (at most
-        `budget` of them)."""
+        `budget` of them), except those in `hold`."""
         decode, i = [], 0
         while i < len(self.running) and len(decode) < budget:
             req = self.running[i]
-            if req.num_tokens - req.num_computed_tokens != 1:
+            if req.num_tokens - req.num_computed_tokens != 1 or req in hold:
                 i += 1
             elif self._grow(req, req.num_computed_tokens, 1):
                 decode.append(req)
@@ -367,6 +369,8 @@ class Scheduler:
         computed; blocks past them go back to the pool)."""
         produced = []
         for i, (req, q, tokens) in enumerate(zip(out.requests, out.q_lens, sampled)):
+            if req.is_finished:  # async scheduling: it ended (stop, abort) while this step ran
+                continue
             n_drafts = out.num_drafts(i)
             req.num_computed_tokens += q - n_drafts + len(tokens) - 1
             if n_drafts:

@@ -75,7 +75,8 @@ def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_lens: list[i
 
     t = time.perf_counter()
     llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              enable_prefix_caching=False, warmup=True, dtype="float32")  # as transformers runs it here
+              enable_prefix_caching=False, warmup=True, dtype="float32",  # as transformers runs it here
+              async_scheduling=not args.no_async_scheduling)
     # the warm-up compiles every step bucket (on a background thread: wait for it; older
     # versions compile in the first generate); not part of the timed run
     if hasattr(llm, "wait_for_warmup"):
@@ -327,6 +328,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the continuous batching run may take")
     p.add_argument("--skip-transformers-static", action="store_true")
     p.add_argument("--skip-continuous", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true", help="pagedjax reads each step's tokens before "
+                                                                      "scheduling the next")
     p.add_argument("--skip-floor", action="store_true", help="do not time the matmul-only floor of pagedjax's steps")
     p.add_argument("--out", default="results/bench_workload.json")
     args = p.parse_args()
