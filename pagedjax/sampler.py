@@ -57,23 +57,47 @@ def argmax(x):
     return jnp.min(jnp.where(x == m, ids, x.shape[-1]), axis=-1)
 
 
+TOP_CANDIDATES = 512  # the filters look at each row's largest logits first; a full sort only when the cut lies beyond
+
+
 def _filtered_logits(logits, p: SamplingInputs):
-    """Temperature, then top-k, top-p and min-p masks (-inf outside). logits [S, V] f32."""
+    """Temperature, then top-k, top-p and min-p masks (-inf outside). logits [S, V] f32.
+    A step where no sampled row filters skips them (a full sort of the vocabulary costs
+    ~140 ms for 16 rows on a CPU); otherwise the cut is found among each row's
+    TOP_CANDIDATES largest logits, and from a full sort only when some row keeps more."""
     v = logits.shape[-1]
     temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
     x = logits / temp[:, None]
-    desc = -jnp.sort(-x, axis=-1)  # [S, V]
+    filters = (p.temperature > 0) & ((p.top_k > 0) | (p.top_p < 1.0) | (p.min_p > 0.0))
+
+    def filtered():
+        top = jax.lax.top_k(x, min(TOP_CANDIDATES, v))[0]  # [S, N] descending
+        threshold, complete = _threshold(top, x, p)
+        threshold = jax.lax.cond(jnp.all(complete), lambda: threshold,
+                                 lambda: _threshold(-jnp.sort(-x, axis=-1), x, p)[0])
+        return jnp.where(x >= threshold[:, None], x, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(filters), filtered, lambda: x)
+
+
+def _threshold(desc, x, p: SamplingInputs):
+    """desc [S, N]: each row's N largest logits of x [S, V], descending (N = V: all) ->
+    (the smallest logit each row keeps [S], whether that cut is exact [S]: it lies within
+    the N and the top-k normalizer is known from them)."""
+    n, v = desc.shape[-1], x.shape[-1]
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, v), v)
-    in_top_k = jnp.arange(v)[None, :] < k[:, None]
-    desc = jnp.where(in_top_k, desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
+    in_top_k = jnp.arange(n)[None, :] < k[:, None]
+    # probabilities after top-k: normalized over the top k (inside desc when k <= N), or all
+    lse = jnp.where(k <= n, jax.nn.logsumexp(jnp.where(in_top_k, desc, -jnp.inf), axis=-1),
+                    jax.nn.logsumexp(x, axis=-1))
+    probs = jnp.where(in_top_k, jnp.exp(desc - lse[:, None]), 0.0)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
     # in_top_k: past the top k, `before` may round to just under top_p = 1 (it once let
     # every token through: the threshold became -inf)
     keep = in_top_k & (before < p.top_p[:, None]) & (probs >= p.min_p[:, None] * probs[:, :1])
-    keep = keep.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)  # smallest kept logit
-    return jnp.where(x >= threshold[:, None], x, -jnp.inf)
+    keep = keep.at[:, 0].set(True)  # a prefix of the ranks (each condition is)
+    complete = (n == v) | (((k <= n) | (k == v)) & ~keep[:, -1])
+    return jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1), complete
 
 
 def apply_bitmask(logits, bitmask, constrained):

@@ -68,3 +68,53 @@ def test_top_k_holds_when_the_kept_mass_rounds_below_one():
     for seeds in range(4):
         out = sample(x, inputs(64, temperature=0.8, top_k=4, seeds=range(seeds * 64, seeds * 64 + 64)))
         assert all(t in row for t, row in zip(np.asarray(out.tokens), top4))
+
+
+def _kept_reference(x: np.ndarray, temperature, top_k, top_p, min_p) -> np.ndarray:
+    """The tokens a row may draw (numpy, float64, by the definitions): the top k, then the
+    smallest set of highest-probability tokens whose mass reaches top_p, then those at least
+    min_p times as likely as the most likely; ties with the last kept logit are kept too."""
+    z = x / temperature
+    order = np.argsort(-z, kind="stable")
+    k = top_k if top_k > 0 else len(z)
+    desc = z[order][:k]
+    probs = np.exp(desc - desc.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep = (before < top_p) & (probs >= min_p * probs[0])
+    keep[0] = True
+    return z >= desc[keep].min()
+
+
+def test_filters_match_a_full_sort_inside_and_beyond_the_candidates():
+    """The cut is found among the TOP_CANDIDATES largest logits, and from a full sort when a
+    row keeps more (flat rows, top_k past the candidates); rows that do not filter, and a
+    step where none does, keep every token."""
+    from pagedjax.sampler import TOP_CANDIDATES, _filtered_logits
+
+    v = 4 * TOP_CANDIDATES
+    rng = np.random.default_rng(5)
+    sharp = rng.normal(size=(4, v)) * 4.0  # a few hundred tokens carry the mass
+    flat = rng.normal(size=(4, v)) * 0.05  # thousands of tokens to reach top_p
+    x = np.concatenate([sharp, flat]).astype(np.float32)
+    cases = [  # temperature, top_k, top_p, min_p per row
+        (1.0, 0, 0.9, 0.0), (0.7, 40, 1.0, 0.0), (1.2, 0, 1.0, 0.05), (1.0, TOP_CANDIDATES + 100, 0.95, 0.0),
+        (1.0, 0, 0.99, 0.0), (1.0, 3 * TOP_CANDIDATES, 1.0, 0.0), (0.0, 5, 0.5, 0.0), (1.0, 0, 1.0, 0.0),
+    ]
+    t, k, p_, m = (np.array(c) for c in zip(*cases))
+    p = SamplingInputs(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p_, jnp.float32),
+                       jnp.asarray(m, jnp.float32), jnp.zeros(8, jnp.uint32), jnp.zeros(8, jnp.int32),
+                       jnp.zeros(8, bool))
+    got = np.isfinite(np.asarray(jax.jit(_filtered_logits)(jnp.asarray(x), p)))
+    for i, (temp, top_k, top_p, min_p) in enumerate(cases):
+        if temp == 0:  # greedy: drawn from the unfiltered logits
+            continue
+        if top_k == 0 and top_p >= 1 and min_p == 0:
+            assert got[i].all(), f"row {i} does not filter"
+            continue
+        want = _kept_reference(x[i].astype(np.float64), temp, top_k, top_p, min_p)
+        assert (got[i] == want).all(), f"row {i}: kept {got[i].sum()} tokens, want {want.sum()}"
+    assert got[4].sum() > TOP_CANDIDATES and got[5].sum() == 3 * TOP_CANDIDATES  # past the candidates
+    only_temperature = SamplingInputs(p.temperature, jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32),
+                                      jnp.zeros(8, jnp.float32), p.seed, p.step, p.want_logprobs)
+    assert np.isfinite(np.asarray(jax.jit(_filtered_logits)(jnp.asarray(x), only_temperature))).all()
