@@ -5,7 +5,8 @@ requests' tokens end to end in numpy, padded to the step's bucket, and the step 
 compiled executables of that bucket: the forward pass (model, KV writes, the logits of
 each sequence's last token), then the sampler. Between the two the host fills the token
 masks of constrained sequences (grammars) while the device computes the forward pass. Executables are compiled ahead of time per bucket
-(`compile_bucket`), in the foreground or by a background thread (`start_background_warmup`);
+(`compile_bucket`) and run once (`prime_bucket`), in the foreground or by a background thread
+(`start_background_warmup`);
 `ready_tokens` tells the scheduler the largest step it may build without compiling.
 """
 from __future__ import annotations
@@ -104,8 +105,10 @@ class ModelRunner:
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._sample = jax.jit(self._sample_fn, donate_argnums=(3,))
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
+        self._primed: set[int] = set()  # T buckets run once by the warm-up (see prime_bucket)
         self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
         self._compile_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # a dispatch and a warm-up's first run replace kv / penalties one at a time
         self._warmup_thread: threading.Thread | None = None
         self._stop_warmup = threading.Event()
         self._warmup_go = threading.Event()  # set: the background warm-up may compile its next bucket
@@ -168,6 +171,22 @@ class ModelRunner:
                 self._executables[t] = lowered.compile()
             return self._executables[t]
 
+    def prime_bucket(self, t: int) -> None:
+        """Compiles the step of T = t and runs it once on inputs that write and keep nothing
+        (no KV slot, no penalty row, nothing read back): on XLA:CPU an executable's first run
+        costs 0.1-0.5 s more than the next ones (one-time loading), which a request would
+        otherwise pay, and which would mislead the measured step costs (speculative drafts)."""
+        if t in self._primed:
+            return
+        self.compile_bucket(t)
+        inputs, sampling, copies = self._idle_inputs(t)
+        s = self.buckets.num_rows(t)
+        with self._state_lock:
+            self.kv, logits, _ = self._executables[t](self.state, self.kv, inputs, copies, self._prev_tokens(None))
+            self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
+        jax.block_until_ready(out.tokens)
+        self._primed.add(t)
+
     def _prev_tokens(self, prev: PendingStep | None, host: bool = False):
         """The previous step's padded tokens, or zeros when the step reads none."""
         if prev is not None:
@@ -193,12 +212,13 @@ class ModelRunner:
 
     def ready_tokens(self) -> int | None:
         """While a background warm-up runs: the largest T such that every bucket up to it
-        is compiled. None otherwise (no limit: a missing bucket compiles on first use)."""
+        is compiled and has run once. None otherwise (no limit: a missing bucket compiles on
+        first use)."""
         if self.warmup_done:
             return None
         ready = None
         for t in self.buckets.token_buckets():
-            if t not in self._executables:
+            if t not in self._primed:
                 break
             ready = t
         return ready
@@ -209,7 +229,7 @@ class ModelRunner:
 
         self._compile_load_slot()
         for t in tqdm(self.buckets.token_buckets(), desc="compiling step buckets", disable=not progress, unit="shape"):
-            self.compile_bucket(t)
+            self.prime_bucket(t)
 
     def start_background_warmup(self, first: int = 1) -> None:
         """Compiles the `first` smallest buckets now and the rest on a background thread, so
@@ -219,7 +239,7 @@ class ModelRunner:
         ladder = self.buckets.token_buckets()
         self._compile_load_slot()
         for t in ladder[:first]:
-            self.compile_bucket(t)
+            self.prime_bucket(t)
 
         def run():
             try:
@@ -227,7 +247,7 @@ class ModelRunner:
                     self._warmup_go.wait()
                     if self._stop_warmup.is_set():
                         return
-                    self.compile_bucket(t)
+                    self.prime_bucket(t)
             except BaseException as e:  # surfaced by wait_for_warmup and stats
                 self.warmup_error = e
 
@@ -367,16 +387,17 @@ class ModelRunner:
         self.last_t = t
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
-        self.kv, logits, plp = step(self.state, self.kv, inputs, copies, self._prev_tokens(prev))  # runs async
-        for args in self._pending_loads:
-            self.penalties = penalties.load_slot(self.penalties, *args)
-        self._pending_loads = []
-        bitmask = self._bitmask_ones(s)
-        if fill_masks is not None and sampling.constrained.any():
-            host = self._bitmask_ones(s, host=True)
-            fill_masks(host, s)
-            bitmask = host
-        self.penalties, out, padded = self._samplers[s](logits, sampling, bitmask, self.penalties)
+        with self._state_lock:
+            self.kv, logits, plp = step(self.state, self.kv, inputs, copies, self._prev_tokens(prev))  # runs async
+            for args in self._pending_loads:
+                self.penalties = penalties.load_slot(self.penalties, *args)
+            self._pending_loads = []
+            bitmask = self._bitmask_ones(s)
+            if fill_masks is not None and sampling.constrained.any():
+                host = self._bitmask_ones(s, host=True)
+                fill_masks(host, s)
+                bitmask = host
+            self.penalties, out, padded = self._samplers[s](logits, sampling, bitmask, self.penalties)
         wanted = ["tokens"] + (["logprobs", "top_ids", "top_logprobs"] if sampling.want_logprobs.any() else []) \
             + (["accepted", "resampled"] if (sampling.draft_next >= 0).any() else [])
         return PendingStep(t, out, padded, wanted, plp if (inputs.prompt_next >= 0).any() else None, began)
