@@ -58,6 +58,7 @@ def test_background_warmup_yields_to_steps_that_fit_and_resumes_when_idle_or_ful
     engine.step()
     llm.wait_for_warmup()  # finishes even while a request holds it
     assert llm.engine.runner.compiled_shapes == [16, 32, 48, 64] and go.is_set()
+    assert llm.engine.runner._primed == {16, 32, 48, 64}  # each ran once, off the request path
     engine.step()
     assert go.is_set(), "after wait_for_warmup nothing holds the warm-up again"
     while engine.has_unfinished_requests():
