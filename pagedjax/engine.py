@@ -259,8 +259,7 @@ class LLMEngine:
         for seq in group.seqs:
             self.schedulers[seq.req.dp_rank].finish(seq.req, "abort")
             self._forget(seq)
-        if not self.has_unfinished_requests():
-            self.runner.allow_warmup(True)
+        self._warmup_if_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self._inflight is not None or any(s.has_unfinished() for s in self.schedulers)
@@ -409,9 +408,13 @@ class LLMEngine:
                 del self._groups[g.request_id]
                 for seq in g.seqs:
                     self._forget(seq)
-        if not self.has_unfinished_requests():  # idle: the background warm-up may go on
-            self.runner.allow_warmup(True)
+        self._warmup_if_idle()
         return outputs
+
+    def _warmup_if_idle(self) -> None:
+        """Lets a background warm-up go on once no request is left (the engine idles)."""
+        if not self.has_unfinished_requests():
+            self.runner.allow_warmup(True)
 
     def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
         """Queues a beam search; its result lands in `finished_beam_searches[request_id]`."""

@@ -116,7 +116,6 @@ class ModelRunner:
         self._warmup_forced = False
         self.warmup_error: BaseException | None = None
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
-        self.last_t = 0  # T of the last step
 
     def _forward(self, state, kv, inputs: StepInputs, copies, prev_tokens):
         """-> (kv, logits [dp * S, V] of each sequence's last token, PromptLogprobs [dp * T]).
@@ -178,11 +177,11 @@ class ModelRunner:
         otherwise pay, and which would mislead the measured step costs (speculative drafts)."""
         if t in self._primed:
             return
-        self.compile_bucket(t)
+        step = self.compile_bucket(t)
         inputs, sampling, copies = self._idle_inputs(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:
-            self.kv, logits, _ = self._executables[t](self.state, self.kv, inputs, copies, self._prev_tokens(None))
+            self.kv, logits, _ = step(self.state, self.kv, inputs, copies, self._prev_tokens(None))
             self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
         jax.block_until_ready(out.tokens)
         self._primed.add(t)
@@ -384,7 +383,6 @@ class ModelRunner:
         constrained rows; called while the device runs the forward pass."""
         began = time.perf_counter()
         t, inputs, sampling, copies = self.prepare(outs)
-        self.last_t = t
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:

@@ -102,12 +102,7 @@ def main() -> None:
     args.out = args.out or "results/bench_throughput.json"
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            model_dir = tmp
-            make_random_checkpoint(Path(tmp))
-        rng = np.random.default_rng(0)
-        prompts = rng.integers(3, 49152 if args.model is None else 1000, size=(args.num_prompts, args.prompt_len)).tolist()
+        model_dir, prompts = _workload(args, tmp)
         ours = bench_pagedjax(model_dir, prompts, args.output_len, args)
         theirs = bench_transformers(model_dir, prompts, args.output_len, args.torch_threads)
     same = sum(a == b for a, b in zip(ours.pop("token_ids"), theirs.pop("token_ids")))
@@ -126,6 +121,17 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def _workload(args, tmp: str) -> tuple[str, list[list[int]]]:
+    """(model dir: --model, else a random checkpoint written to tmp; the seeded token prompts)."""
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = tmp
+        make_random_checkpoint(Path(tmp))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, 49152 if args.model is None else 1000, size=(args.num_prompts, args.prompt_len)).tolist()
+    return model_dir, prompts
+
+
 def first_tokens_agreement(a: list[list[int]], b: list[list[int]], n: int = 8) -> dict:
     """Of each pair of outputs: are the first n tokens identical; and the fraction of those
     n positions that agree."""
@@ -137,12 +143,7 @@ def first_tokens_agreement(a: list[list[int]], b: list[list[int]], n: int = 8) -
 def main_bfloat16(args) -> None:
     """pagedjax bf16, transformers bf16 and pagedjax float32 on the same workload, one run."""
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            model_dir = tmp
-            make_random_checkpoint(Path(tmp))
-        rng = np.random.default_rng(0)
-        prompts = rng.integers(3, 49152 if args.model is None else 1000, size=(args.num_prompts, args.prompt_len)).tolist()
+        model_dir, prompts = _workload(args, tmp)
         ours = bench_pagedjax(model_dir, prompts, args.output_len, args, dtype="bfloat16", profile=True)
         f32 = bench_pagedjax(model_dir, prompts, args.output_len, args, dtype="float32", profile=True)
         theirs = bench_transformers(model_dir, prompts, args.output_len, args.torch_threads, dtype="bfloat16")

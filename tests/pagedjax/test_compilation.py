@@ -106,3 +106,27 @@ def test_no_compilation_after_warmup_across_every_sampling_feature(tiny_checkpoi
     llm.beam_search([[3, 4, 5]], params=BeamSearchParams(beam_width=2, max_tokens=4))
     assert events.count == 0, "a sampling feature triggered an XLA compile after warm-up"
     assert llm.stats()["kv_blocks_free"] == 64
+
+
+def test_persistent_cache_keeps_every_executable(tmp_path):
+    """A warm start compiles nothing only if quick compiles are cached too: pagedjax sets
+    JAX's threshold to 0 s, unless the user set one; it uses the user's cache dir if any."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import jax; from pagedjax import compile_counter; compile_counter.enable_persistent_cache(); "
+            "print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGEDJAX_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR",
+                                                            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "PAGEDJAX_CACHE": str(tmp_path), **extra},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        directory, seconds = out.stdout.split()
+        return directory, float(seconds)
+
+    assert run() == (str(tmp_path / "jax_compilation_cache"), 0.0)
+    assert run(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "mine")) == (str(tmp_path / "mine"), 0.0)
+    assert run(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="2.5")[1] == 2.5
