@@ -11,6 +11,7 @@ target model's. Accepted drafts plus one more token come out of a step.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,34 +79,35 @@ def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs
 
     caps [n]: drafts each request has (within its limits); rates [n]: its estimated chance
     that a draft is accepted; base_tokens: the step's tokens without drafts; rungs: the step
-    sizes; cost(T): the expected time of a step of T tokens. Drafts first fill the padding of
-    the step's rung (free), each next one going to the request whose next draft is most
-    likely to be used (the j-th draft of a request is used with probability rate^j); then the
-    step moves up a rung only while the expected tokens per unit of step time rise."""
+    sizes; cost(T): the expected time of a step of T tokens. Drafts are ranked best first:
+    the j-th draft of a request is used with probability rate^j, so the next draft always
+    goes to the request whose next one is most likely to be used. Each rung from the one the
+    step needs anyway up to max_tokens is then filled with the best drafts that fit, and the
+    rung with the most expected tokens per unit of step time wins (every rung is weighed:
+    step costs need not rise smoothly, a bigger rung can pay where the next one up does not)."""
     alloc = [0] * len(caps)
-    gain = [r for r in rates]  # value of each request's next draft: rate ** (alloc + 1)
-    t = next((r for r in rungs if r >= base_tokens), None)
-    if t is None or not any(caps):
+    first = next((r for r in rungs if r >= base_tokens), None)
+    if first is None or not any(caps):
         return alloc
-
-    def add(limit: int) -> float:
-        """Adds up to `limit` drafts, best first; returns their expected value."""
-        value = 0.0
-        for _ in range(limit):
-            best = max((i for i in range(len(caps)) if alloc[i] < caps[i]), key=lambda i: gain[i], default=None)
-            if best is None or sum(alloc) >= max_drafts:
-                break
-            value += gain[best]
-            alloc[best] += 1
-            gain[best] *= rates[best]
-        return value
-
-    value = len(caps) + add(t - base_tokens)  # expected decode tokens out of this step
-    for up in (r for r in rungs if t < r <= max_tokens):
-        saved = list(alloc), list(gain)
-        more = add(up - t)
-        if more <= 0 or (value + more) / cost(up) <= value / cost(t):
-            alloc[:], gain[:] = saved
+    # the drafts best first, as far as the largest rung (or max_drafts) allows: request ids
+    room = min(max_drafts, max([r for r in rungs if r <= max_tokens] + [first]) - base_tokens)
+    heap = [(-rates[i], i, 1) for i in range(len(caps)) if caps[i] > 0]  # (-value of its j-th draft, i, j)
+    heapq.heapify(heap)
+    order, values = [], [float(len(caps))]  # values[j]: expected decode tokens with the best j drafts
+    while heap and len(order) < room:
+        neg, i, j = heapq.heappop(heap)
+        order.append(i)
+        values.append(values[-1] - neg)
+        if j < caps[i]:
+            heapq.heappush(heap, (neg * rates[i], i, j + 1))
+    best_j, best_rate = 0, -1.0
+    for rung in (r for r in rungs if first <= r <= max_tokens):
+        j = min(len(order), rung - base_tokens)
+        rate = values[j] / cost(rung)
+        if rate > best_rate * (1 + 1e-9):
+            best_j, best_rate = j, rate
+        if j == len(order):  # every draft fits: bigger rungs only cost more
             break
-        value, t = value + more, up
+    for i in order[:best_j]:
+        alloc[i] += 1
     return alloc

@@ -20,6 +20,9 @@
 // no -ffast-math: with GCC 12 it links crtfastmath.o, which turns on flush-to-zero for the
 // whole process).
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -52,13 +55,6 @@ inline float Widen(uint16_t x) {
   return f;
 }
 
-inline float Dot(const float* a, const float* b, int64_t d) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
 // e^x for the softmax's x <= 0: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), Cephes' degree-6
 // polynomial for e^r (relative error ~1e-7, f32 rounding), 2^n through the exponent bits;
 // x < -87: 0. Plain arithmetic, so the `omp simd` loops over it vectorize (std::exp does not
@@ -82,83 +78,134 @@ inline float ExpSoftmax(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
-// The first n rows of a [BS, D] page as f32: f32 pages as they are, bf16 ones widened into buf.
+constexpr int64_t kTile = 16;     // keys scored at once: one 16-lane f32 vector
+
+// kt [D, kTile] = the n <= kTile rows k [n, D], widened to f32 and transposed (zeros past n).
 template <typename P>
-inline const float* PageRows(const P* page, int64_t n, int64_t d, float* buf) {
-  if constexpr (std::is_same_v<P, float>) {
-    return page;
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < n * d; ++i) buf[i] = Widen(page[i]);
-    return buf;
-  }
+inline void TransposeTileScalar(const P* k, int64_t n, int64_t d, float* kt) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < d; ++i) kt[i * kTile + t] = Widen(k[t * d + i]);
+  for (int64_t i = 0; i < d; ++i)
+    for (int64_t t = n; t < kTile; ++t) kt[i * kTile + t] = 0.f;
 }
 
-// One online-softmax step of query row q [D] (pre-scaled) over the keys / values k, v [n, D]
-// of one page (n <= BS): running max m, sum l and accumulator acc [D] updated; sc [BS]
-// scratch. kD > 0: the head dim at compile time (acc kept in registers).
-template <int64_t kD>
-inline void SoftmaxStep(const float* __restrict q, const float* __restrict k, const float* __restrict v,
-                        int64_t n, int64_t dim, float* __restrict acc, float& m, float& l,
-                        float* __restrict sc) {
+#if defined(__AVX512F__)
+// Row t of a 16 x 16 block of k (starting at column c) as 16 f32 lanes; zeros for t >= n.
+inline __m512 LoadRow(const float* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+  return t < n ? _mm512_loadu_ps(k + t * d + c) : _mm512_setzero_ps();
+}
+inline __m512 LoadRow(const uint16_t* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+  if (t >= n) return _mm512_setzero_ps();
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + t * d + c));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16 -> f32
+}
+
+// The same in registers, 16 x 16 blocks at a time (D a multiple of 16).
+template <typename P>
+inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) {
+  if (d % 16 != 0) return TransposeTileScalar(k, n, d, kt);
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 r[16], t[16];
+    for (int64_t i = 0; i < 16; ++i) r[i] = LoadRow(k, i, n, d, c);
+    for (int i = 0; i < 16; i += 2) {  // pairs of rows, within 128-bit lanes
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // r[i + j], lane L: column 4 L + j of rows i..i+3
+      r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+      r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+      r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {  // gather lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+      const __m512 v0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+      const __m512 v2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), v3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+      _mm512_storeu_ps(kt + (c + j) * kTile, _mm512_shuffle_f32x4(v0, v2, 0x88));
+      _mm512_storeu_ps(kt + (c + 4 + j) * kTile, _mm512_shuffle_f32x4(v1, v3, 0x88));
+      _mm512_storeu_ps(kt + (c + 8 + j) * kTile, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+      _mm512_storeu_ps(kt + (c + 12 + j) * kTile, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    }
+  }
+}
+#else
+template <typename P>
+inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) { TransposeTileScalar(k, n, d, kt); }
+#endif
+constexpr int64_t kRowBlock = 4;  // query rows sharing each key load
+
+// One tile of n <= kTile keys for every query row of a task. k, v: the tile's rows [n, D] in
+// the page (P: float, or uint16_t holding bf16). qs [rows_pad, D]: the queries, pre-scaled,
+// zero-padded to a multiple of kRowBlock rows; seen [rows_pad]: how many of the tile's keys
+// each row sees (causal; 0..n). Updates each row's running max m, sum l and accumulator acc
+// [rows_pad, D]. kt [D, kTile], vt [kTile, D], p [kRowBlock, kTile]: scratch.
+// The keys are transposed into kt so that a row's kTile scores come out of D vector FMAs with
+// no horizontal sums; each key vector then serves kRowBlock rows.
+template <int64_t kD, typename P>
+void TileStep(const float* __restrict qs, const P* __restrict k, const P* __restrict v, int64_t n,
+              int64_t dim, int64_t rows_pad, const int64_t* __restrict seen, float* __restrict kt,
+              float* __restrict vt, float* __restrict p, float* __restrict acc, float* __restrict m,
+              float* __restrict l) {
   const int64_t d = kD > 0 ? kD : dim;
-  float mx = kNoMax;
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {  // four keys at once: independent reductions in flight
-    const float *k0 = k + t * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  TransposeTile(k, n, d, kt);
+  const float* vr = reinterpret_cast<const float*>(v);
+  if constexpr (!std::is_same_v<P, float>) {
+#pragma omp simd
+    for (int64_t i = 0; i < n * d; ++i) vt[i] = Widen(v[i]);
+    vr = vt;
+  }
+  for (int64_t r0 = 0; r0 < rows_pad; r0 += kRowBlock) {
+    int64_t block_seen = 0;
+    for (int64_t b = 0; b < kRowBlock; ++b) block_seen = std::max(block_seen, seen[r0 + b]);
+    if (block_seen == 0) continue;
+    float s[kRowBlock][kTile] = {};
     for (int64_t i = 0; i < d; ++i) {
-      s0 += q[i] * k0[i];
-      s1 += q[i] * k1[i];
-      s2 += q[i] * k2[i];
-      s3 += q[i] * k3[i];
+      const float* kr = kt + i * kTile;
+      for (int64_t b = 0; b < kRowBlock; ++b) {
+        const float qv = qs[(r0 + b) * d + i];
+#pragma omp simd
+        for (int64_t t = 0; t < kTile; ++t) s[b][t] += qv * kr[t];
+      }
     }
-    sc[t] = s0, sc[t + 1] = s1, sc[t + 2] = s2, sc[t + 3] = s3;
-    mx = std::max(mx, std::max(std::max(s0, s1), std::max(s2, s3)));
-  }
-  for (; t < n; ++t) {
-    sc[t] = Dot(q, k + t * d, d);
-    mx = std::max(mx, sc[t]);
-  }
-  const float m_new = std::max(m, mx);
-  const float alpha = ExpSoftmax(m - m_new);  // 0 on the first page (m = kNoMax)
-  float sum = 0.f;
+    for (int64_t b = 0; b < kRowBlock; ++b) {
+      const int64_t r = r0 + b, nr = seen[r];
+      float* pr = p + b * kTile;
+      if (nr == 0) {  // this row sees none of the tile: weights 0, state unchanged
+        std::fill_n(pr, kTile, 0.f);
+        continue;
+      }
+      float mx = kNoMax;
+      for (int64_t t = 0; t < nr; ++t) mx = std::max(mx, s[b][t]);
+      const float m_new = std::max(m[r], mx);
+      const float alpha = ExpSoftmax(m[r] - m_new);  // 0 on the first tile (m = kNoMax)
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (t = 0; t < n; ++t) {
-    sc[t] = ExpSoftmax(sc[t] - m_new);
-    sum += sc[t];
-  }
-  m = m_new;
-  l = l * alpha + sum;
-  if constexpr (kD > 0) {
-    float o[kD];
+      for (int64_t t = 0; t < kTile; ++t) {
+        const float e = t < nr ? ExpSoftmax(s[b][t] - m_new) : 0.f;
+        pr[t] = e;
+        sum += e;
+      }
+      m[r] = m_new;
+      l[r] = l[r] * alpha + sum;
+      float* a = acc + r * d;
 #pragma omp simd
-    for (int64_t i = 0; i < kD; ++i) o[i] = acc[i] * alpha;
-    for (t = 0; t < n; ++t) {
-      const float p = sc[t];
-      const float* vr = v + t * kD;
-#pragma omp simd
-      for (int64_t i = 0; i < kD; ++i) o[i] += p * vr[i];
+      for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
     }
+    for (int64_t t = 0; t < block_seen; ++t) {
+      const float* vrow = vr + t * d;
+      for (int64_t b = 0; b < kRowBlock; ++b) {
+        const float w = p[b * kTile + t];
+        float* a = acc + (r0 + b) * d;
 #pragma omp simd
-    for (int64_t i = 0; i < kD; ++i) acc[i] = o[i];
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
-    for (t = 0; t < n; ++t) {
-      const float p = sc[t];
-      const float* vr = v + t * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) acc[i] += p * vr[i];
+        for (int64_t i = 0; i < d; ++i) a[i] += w * vrow[i];
+      }
     }
   }
 }
 
 // A task's working memory, kept per thread across calls (no allocation per task).
 struct Scratch {
-  std::vector<float> m, l, acc, qs, sc, kbuf, vbuf;
-  std::vector<int64_t> limit;
+  std::vector<float> m, l, acc, qs, kt, vt, p;
+  std::vector<int64_t> limit, seen;
 };
 
 // Attention of sequence `seq` against kv head `hk`: every query row j * G + g. kD > 0 fixes
@@ -175,36 +222,35 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   const int64_t kv_len = std::min<int64_t>(kv_lens[seq], sh.mb * bs);  // keys exist only in the table
   if (q_len <= 0 || kv_len <= 0) return;  // out is zeroed before the tasks run
   const int64_t first_pos = kv_lens[seq] - q_lens[seq];
-  const int64_t rows = q_len * g_count;
-  // A finite "minus infinity": the first page's rescale factor exp(kNoMax - max) is exactly 0
-  // (no inf - inf).
+  const int64_t rows = q_len * g_count, rows_pad = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   thread_local Scratch scratch;
-  std::vector<float>&m = scratch.m, &l = scratch.l, &acc = scratch.acc, &qs = scratch.qs, &sc = scratch.sc;
-  std::vector<float>&kbuf = scratch.kbuf, &vbuf = scratch.vbuf;  // widened bf16 pages
-  std::vector<int64_t>& limit = scratch.limit;  // last key position each query slot sees
-  m.assign(rows, kNoMax);
-  l.assign(rows, 0.f);
-  acc.assign(rows * d, 0.f);
-  qs.resize(rows * d);
-  sc.resize(bs);
-  kbuf.resize(std::is_same_v<P, float> ? 0 : bs * d);
-  vbuf.resize(kbuf.size());
-  limit.resize(q_len);
+  Scratch& w = scratch;
+  w.m.assign(rows_pad, kNoMax);  // a finite "minus infinity": exp(kNoMax - max) is exactly 0 (no inf - inf)
+  w.l.assign(rows_pad, 0.f);
+  w.acc.assign(rows_pad * d, 0.f);
+  w.qs.assign(rows_pad * d, 0.f);
+  w.kt.resize(d * kTile);
+  w.vt.resize(kTile * d);
+  w.p.resize(kRowBlock * kTile);
+  w.limit.assign(rows_pad, -1);  // last key position each row sees (-1: padding, sees none)
+  w.seen.resize(rows_pad);
   int64_t last = -1;
   for (int64_t j = 0; j < q_len; ++j) {
-    limit[j] = std::min(first_pos + j, kv_len - 1);
-    last = std::max(last, limit[j]);
+    const int64_t lim = std::min(first_pos + j, kv_len - 1);
+    last = std::max(last, lim);
     for (int64_t g = 0; g < g_count; ++g) {
+      const int64_t r = j * g_count + g;
+      w.limit[r] = lim;
       const float* src = q + ((q0 + j) * sh.h + hk * g_count + g) * d;
-      for (int64_t i = 0; i < d; ++i) qs[(j * g_count + g) * d + i] = src[i] * scale;
+      for (int64_t i = 0; i < d; ++i) w.qs[r * d + i] = src[i] * scale;
     }
   }
   const int32_t* table = tables + seq * sh.mb;
   for (int64_t page = 0; page * bs <= last; ++page) {
     const int64_t blk = std::clamp<int64_t>(table[page], 0, sh.nb - 1);
-    const int64_t seen = std::min(bs, last - page * bs + 1);  // keys of this page any query sees
-    const float* kb = PageRows(kp + (hk * sh.nb + blk) * bs * d, seen, d, kbuf.data());  // [BS, D]
-    const float* vb = PageRows(vp + (hk * sh.nb + blk) * bs * d, seen, d, vbuf.data());
+    const int64_t page_seen = std::min(bs, last - page * bs + 1);  // keys of this page any row sees
+    const P* kb = kp + (hk * sh.nb + blk) * bs * d;  // [BS, D]
+    const P* vb = vp + (hk * sh.nb + blk) * bs * d;
     if ((page + 1) * bs <= last) {  // pages are scattered: fetch the next one while on this one
       const int64_t nxt = (hk * sh.nb + std::clamp<int64_t>(table[page + 1], 0, sh.nb - 1)) * bs * d;
       for (int64_t i = 0; i < bs * d; i += 64 / static_cast<int64_t>(sizeof(P))) {  // a cache line
@@ -212,23 +258,20 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
         __builtin_prefetch(vp + nxt + i);
       }
     }
-    for (int64_t j = 0; j < q_len; ++j) {
-      const int64_t n = std::min(bs, limit[j] - page * bs + 1);  // keys of this page it sees
-      if (n <= 0) continue;
-      for (int64_t g = 0; g < g_count; ++g) {
-        const int64_t r = j * g_count + g;
-        SoftmaxStep<kD>(qs.data() + r * d, kb, vb, n, d, acc.data() + r * d, m[r], l[r], sc.data());
-      }
+    for (int64_t t0 = 0; t0 < page_seen; t0 += kTile) {
+      const int64_t n = std::min(kTile, page_seen - t0), base = page * bs + t0;
+      for (int64_t r = 0; r < rows_pad; ++r) w.seen[r] = std::clamp<int64_t>(w.limit[r] - base + 1, 0, n);
+      TileStep<kD, P>(w.qs.data(), kb + t0 * d, vb + t0 * d, n, d, rows_pad, w.seen.data(), w.kt.data(),
+                      w.vt.data(), w.p.data(), w.acc.data(), w.m.data(), w.l.data());
     }
   }
-  for (int64_t j = 0; j < q_len; ++j)
-    for (int64_t g = 0; g < g_count; ++g) {
-      const int64_t r = j * g_count + g;
-      if (l[r] <= 0.f) continue;
-      float* o = out + ((q0 + j) * sh.h + hk * g_count + g) * d;
-      const float inv = 1.f / l[r];
-      for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (w.l[r] <= 0.f) continue;
+    const int64_t j = r / g_count, g = r % g_count;
+    float* o = out + ((q0 + j) * sh.h + hk * g_count + g) * d;
+    const float inv = 1.f / w.l[r];
+    for (int64_t i = 0; i < d; ++i) o[i] = w.acc[r * d + i] * inv;
+  }
 }
 
 // Runs task(i) for i < n on the calling thread and up to pool.num_threads() helpers. The

@@ -7,7 +7,7 @@ import pytest
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.sampler import SamplingInputs, verify_drafts
-from pagedjax.speculative import SpeculativeConfig, propose
+from pagedjax.speculative import SpeculativeConfig, allocate_drafts, propose
 from tiny_models import hf_greedy
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -30,6 +30,23 @@ def test_propose_finds_the_latest_longest_match():
         SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="exceeds"):
         SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+
+
+def test_allocate_drafts_weighs_every_rung():
+    rungs = [16, 32, 48, 64]
+    # 48 costs barely more than 32 (as XLA:CPU's tiles often make it): eight requests with four
+    # likely drafts each fit in 48 and pay there, although moving 16 -> 32 alone would not
+    step = {16: 60.0, 32: 100.0, 48: 101.0, 64: 200.0}.get
+    assert allocate_drafts([4] * 8, [0.8] * 8, 8, rungs, 64, 64, step) == [4] * 8
+    # costs that rise steeply: the drafts stay in the free padding of the 16-token step, best first
+    steep = {16: 60.0, 32: 200.0, 48: 300.0, 64: 400.0}.get
+    # (the j-th draft of a request is worth rate^j: the 11 best of these 20 fill 16 - 5 slots)
+    assert allocate_drafts([4] * 5, [0.9, 0.2, 0.6, 0.5, 0.3], 5, rungs, 64, 64, steep) == [4, 1, 3, 2, 1]
+    # the limits hold: caps, max_drafts, the token budget; no drafts, no allocation
+    assert allocate_drafts([2, 0, 9], [0.9] * 3, 3, rungs, 64, 64, step) == [2, 0, 9]
+    assert sum(allocate_drafts([4] * 8, [0.9] * 8, 8, rungs, 64, 5, step)) == 5
+    assert sum(allocate_drafts([4] * 8, [0.9] * 8, 8, rungs, 16, 64, step)) == 8
+    assert allocate_drafts([0, 0], [0.5, 0.5], 2, rungs, 64, 64, step) == [0, 0]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
