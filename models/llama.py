@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, KVCache
 from models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
+from pallas_kernels import cpu_matmul
 
 
 def rms_norm(x, weight, eps):
@@ -32,10 +33,15 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
-def linear(x, w):
+def linear(x, w, native: bool = False):
     """x [..., in] @ w[out, in].T -> [..., out] in float32. A narrower w (bf16) takes x
     rounded to its dtype and accumulates in float32; never the reverse (that would convert
-    the whole weight every step)."""
+    the whole weight every step). native: a bf16 w with decode-sized x [M, in] goes to the
+    CPU kernel (pallas_kernels.cpu_matmul) where it serves the shape; same result up to
+    float32 rounding."""
+    if (native and x.ndim == 2 and jnp.dtype(w.dtype) == jnp.bfloat16
+            and cpu_matmul.supported(x.shape[0], w.shape[1], w.shape[0])):
+        return cpu_matmul.matmul_bf16(x, w)
     return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -64,6 +70,9 @@ class Placement:
 
     def __init__(self, dtype, mesh=None, layout: TPLayout | None = None, stacked: bool = False):
         self.dtype, self.mesh, self.layout, self.stacked = dtype, mesh, layout, stacked
+        # bf16 matrices on one CPU device: decode-sized matmuls may take the native kernel
+        self.native_matmul = ((mesh is None or mesh.devices.size == 1) and jnp.dtype(dtype) == jnp.bfloat16
+                              and jax.default_backend() == "cpu")
 
     def __call__(self, arrays: dict, name: str) -> nnx.Param:
         dtype = self.dtype if name in MATRICES else jnp.float32
@@ -82,6 +91,7 @@ class Attention(nnx.Module):
         # [(H + 2 Hkv) D, E]: q, k, v projections fused, as num_shards groups [q_g | k_g | v_g]
         self.wqkv = place(arrays, "wqkv")
         self.wo = place(arrays, "wo")  # [E, H D]
+        self.native = place.native_matmul
         for name in ("bqkv", "bo", "q_norm", "k_norm"):
             setattr(self, name, place(arrays, name) if name in arrays else None)
 
@@ -89,7 +99,7 @@ class Attention(nnx.Module):
         """x [T,E] (the step's packed tokens) -> (new kv, out [T,E])."""
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, self.wqkv[...])
+        qkv = linear(x, self.wqkv[...], self.native)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...]
         g = self.num_shards
@@ -103,7 +113,7 @@ class Attention(nnx.Module):
             k = rms_norm(k, self.k_norm[...], self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv, o = cache.update_and_attend(kv, layer, q, k, v, md, scale=d ** -0.5)  # o [T, H, D]
-        out = linear(o.reshape(t, h * d), self.wo[...])
+        out = linear(o.reshape(t, h * d), self.wo[...], self.native)
         if self.bo is not None:
             out = out + self.bo[...]
         return kv, out
@@ -114,13 +124,14 @@ class MLP(nnx.Module):
         self.w_gate_up = place(arrays, "w_gate_up")  # [2 I, E]: gate and up fused, as shards [gate_g | up_g]
         self.w_down = place(arrays, "w_down")  # [E, I]
         self.num_shards = layout.tp
+        self.native = place.native_matmul
 
     def __call__(self, x):
-        gu = linear(x, self.w_gate_up[...])  # [T, 2 I]
+        gu = linear(x, self.w_gate_up[...], self.native)  # [T, 2 I]
         i = gu.shape[-1] // 2
         gu = gu.reshape(*gu.shape[:-1], self.num_shards, 2, i // self.num_shards)
         gate, up = gu[..., 0, :].reshape(*gu.shape[:-3], i), gu[..., 1, :].reshape(*gu.shape[:-3], i)
-        return linear(jax.nn.silu(gate) * up, self.w_down[...])
+        return linear(jax.nn.silu(gate) * up, self.w_down[...], self.native)
 
 
 class DecoderLayer(nnx.Module):
@@ -194,4 +205,4 @@ class CausalLM(nnx.Module):
     def logits(self, hidden):
         """hidden [..., E] -> float32 logits [..., V]."""
         head = self.embed[...] if self.lm_head is None else self.lm_head[...]
-        return linear(hidden, head)
+        return linear(hidden, head)  # XLA's dot: [S, V] is compute-bound, where the kernel gains nothing

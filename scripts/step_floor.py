@@ -60,14 +60,16 @@ def matmul_floor_ms(model, rows: int = 16, iters: int = 30) -> float:
     else:
         weights = [tuple(param(layer, n) for n in names) for layer in model.layers]
     head = model.embed[...] if model.lm_head is None else model.lm_head[...]
+    first = model.layers if model.scan_layers else model.layers[0]
+    native = first.mlp.native  # the engine's path: bf16 decode matmuls in the native CPU kernel
 
     @jax.jit
     def chain(weights, head, x):
         for wqkv, wo, w_gate_up, w_down in weights:
-            qkv = linear(x, wqkv)
-            x = x + linear(qkv[:, :q_width], wo)
-            gu = linear(x, w_gate_up)
-            x = x + linear(gu[:, :inter] * gu[:, inter:], w_down)
+            qkv = linear(x, wqkv, native)
+            x = x + linear(qkv[:, :q_width], wo, native)
+            gu = linear(x, w_gate_up, native)
+            x = x + linear(gu[:, :inter] * gu[:, inter:], w_down, native)
         return linear(x, head)
 
     x = jnp.ones((rows, cfg.hidden_size), jnp.float32)

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_for.h"
 
 namespace ffi = xla::ffi;
 
@@ -274,33 +275,6 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   }
 }
 
-// Runs task(i) for i < n on the calling thread and up to pool.num_threads() helpers. The
-// caller waits only for tasks a helper has claimed, so a busy pool cannot deadlock it.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, F task) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, task]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
-      task(i);
-      if (state->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == n; });
-}
-
 template <ffi::DataType kPage>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<kPage> k_pages, ffi::Buffer<kPage> v_pages,
@@ -334,7 +308,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   float* op = out->typed_data();
   std::fill_n(op, sh.t * sh.h * sh.d, 0.f);  // tokens no sequence owns stay zero
   auto attend = sh.d == 64 ? AttendOne<64, P> : sh.d == 128 ? AttendOne<128, P> : AttendOne<0, P>;
-  ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, tp, kl, qs, ql, scale, op](int64_t i) {
+  pagedjax::ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, tp, kl, qs, ql, scale, op](int64_t i) {
     attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, tp, kl, qs, ql, scale, op);
   });
   return ffi::Error::Success();

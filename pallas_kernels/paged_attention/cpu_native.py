@@ -5,8 +5,8 @@ sequence) their fixed costs dominate. The C++ kernel walks each sequence's pages
 an online softmax, on XLA's intra-op thread pool. Pages may be float32 or bfloat16 (widened
 to float32 as they are read); q, the softmax and the output are float32 (a bf16 q is
 widened, the output cast back to q's dtype). It is compiled at first use with the
-system C++ compiler (`g++ -O3 -march=native`, about 10 s) into
-~/.cache/pagedjax/native/ (PAGEDJAX_CACHE moves the root); `available()` is False (and the
+system C++ compiler (`g++ -O3 -march=native`, about 10 s; pallas_kernels/native_build.py)
+into ~/.cache/pagedjax/native/ (PAGEDJAX_CACHE moves the root); `available()` is False (and the
 engine keeps the XLA path) when there is no compiler, the build fails, or
 PAGEDJAX_NATIVE_ATTENTION=0.
 """
@@ -14,60 +14,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import native_build
+
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGETS = {"float32": ("pagedjax_paged_attention_f32", "PagedAttentionF32"),  # page dtype -> (target, symbol)
             "bfloat16": ("pagedjax_paged_attention_bf16", "PagedAttentionBF16")}
 _WRITE_TARGET = ("pagedjax_kv_write_bf16", "PagedKVWriteBF16")
 _COPY_TARGET = ("pagedjax_copy_blocks_bf16", "PagedCopyBlocksBF16")
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
 log = logging.getLogger(__name__)
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax"
-    return Path(root) / "native"
-
-
-def _cpu_signature() -> str:
-    try:  # -march=native code is only valid on a CPU with the same features
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def build() -> Path:
     """Compiles cpu_attention.cc (once per source, jaxlib and CPU); returns the library path."""
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), jax.__version__, include, compiler, *_FLAGS,
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_attention_{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        out = Path(tmp) / lib.name
-        cmd = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the native attention kernel failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
-        os.replace(out, lib)  # atomic: concurrent builders never load a half-written file
-    return lib
+    return native_build.build(_SOURCE)
 
 
 @functools.cache

@@ -1,0 +1,42 @@
+// ParallelFor for the native CPU kernels (included by each .cc; native_build.py passes -I).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pagedjax {
+
+// Runs task(i) for i < n on the calling thread and up to pool.num_threads() helpers. The
+// caller waits only for tasks a helper has claimed, so a busy pool cannot deadlock it.
+template <typename F>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F task) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, task]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+      task(i);
+      if (state->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == n; });
+}
+
+}  // namespace pagedjax

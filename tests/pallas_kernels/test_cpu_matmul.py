@@ -1,0 +1,53 @@
+"""The native bf16 matmul (pallas_kernels/cpu_matmul) against its jnp reference, and the bf16
+model's decode steps running it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_matmul
+from pallas_kernels.cpu_matmul import matmul_bf16, matmul_bf16_reference
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_matmul.available(),
+                                reason="native bf16 matmul: CPU with AVX512-BF16 and a C++ compiler")
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 29, 32])
+@pytest.mark.parametrize("o,i", [(4, 32), (100, 64), (960, 576), (576, 1536)])
+def test_matches_the_reference(m, o, i):
+    rng = np.random.default_rng(m * 7 + o)
+    x = jnp.asarray(rng.standard_normal((m, i)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((o, i)) * 0.1, jnp.bfloat16)
+    got = np.asarray(jax.jit(matmul_bf16)(x, w))
+    want = np.asarray(matmul_bf16_reference(x, w))
+    assert got.shape == (m, o) and got.dtype == np.float32
+    # same bf16 products, float32 sums in another order: within a few float32 ulps of the sums' scale
+    scale = np.sqrt(i) * np.abs(want).mean()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+    # x is rounded to bf16 like x.astype(bfloat16): exactly representable inputs give exact sums
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(matmul_bf16)(xb, w)), got, rtol=0, atol=0)
+
+
+def test_supported_shapes_and_errors():
+    assert cpu_matmul.supported(16, 576, 960)
+    assert not cpu_matmul.supported(cpu_matmul.MAX_ROWS + 1, 576, 960)  # prefill: XLA's dot
+    assert not cpu_matmul.supported(16, 48, 960)  # I % 32
+    assert not cpu_matmul.supported(16, 576, 962)  # O % 4
+    with pytest.raises(ValueError, match="bfloat16"):
+        matmul_bf16(jnp.ones((2, 32)), jnp.ones((4, 32), jnp.float32))
+    with pytest.raises(ValueError, match=r"\[M, I\]"):
+        matmul_bf16(jnp.ones((2, 64)), jnp.ones((4, 32), jnp.bfloat16))
+
+
+def test_bf16_decode_steps_run_the_kernel(tiny_checkpoints):
+    """A bf16 engine's decode-sized steps call the kernel (its prefill-sized ones keep XLA's
+    dot); a float32 engine never does."""
+    from pagedjax import LLM
+
+    path = tiny_checkpoints("llama")[0]
+    kw = dict(max_num_seqs=8, max_model_len=128, block_size=8, num_blocks=64, warmup=False)
+    runner = LLM(str(path), dtype="bfloat16", **kw).engine.runner
+    hlo = lambda t: runner.compile_bucket(t).as_text()
+    assert "pagedjax_matmul_bf16" in hlo(16) and "pagedjax_matmul_bf16" not in hlo(64)
+    assert "pagedjax_matmul_bf16" not in LLM(str(path), dtype="float32", **kw).engine.runner.compile_bucket(16).as_text()
