@@ -14,23 +14,21 @@
 // clamped to [0, NB) (as the ragged path does).
 //
 // One task per (sequence, kv head): it walks the sequence's pages once, up to the last key
-// any of its queries sees, and keeps an online softmax (max, sum, accumulator) per query row.
-// Work follows each sequence's own length. Tasks are shared between the calling thread and
-// XLA's intra-op thread pool. Built at first use by cpu_native.py (g++ -O3 -march=native;
+// any of its queries sees, 16 keys (a tile) at a time, and keeps an online softmax (max, sum,
+// accumulator) per query row. A tile's keys are transposed to [D, 16] (in registers with
+// AVX-512), so a row's 16 scores are D vector FMAs with no horizontal sums, and each loaded
+// key or value vector serves 4 query rows. Work follows each sequence's own length. Tasks are shared between the calling thread and
+// XLA's intra-op thread pool (parallel_for.h). Built at first use by cpu_native.py (g++ -O3 -march=native;
 // no -ffast-math: with GCC 12 it links crtfastmath.o, which turns on flush-to-zero for the
 // whole process).
 #include <algorithm>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -191,13 +189,31 @@ void TileStep(const float* __restrict qs, const P* __restrict k, const P* __rest
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
     }
-    for (int64_t t = 0; t < block_seen; ++t) {
-      const float* vrow = vr + t * d;
-      for (int64_t b = 0; b < kRowBlock; ++b) {
-        const float w = p[b * kTile + t];
-        float* a = acc + (r0 + b) * d;
+    if constexpr (kD > 0 && kD <= 64) {  // the block's accumulators in registers (4 x 64 floats)
+      float o[kRowBlock][kD];
+      for (int64_t b = 0; b < kRowBlock; ++b)
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] += w * vrow[i];
+        for (int64_t i = 0; i < kD; ++i) o[b][i] = acc[(r0 + b) * kD + i];
+      for (int64_t t = 0; t < block_seen; ++t) {
+        const float* vrow = vr + t * kD;
+        for (int64_t b = 0; b < kRowBlock; ++b) {
+          const float w = p[b * kTile + t];
+#pragma omp simd
+          for (int64_t i = 0; i < kD; ++i) o[b][i] += w * vrow[i];
+        }
+      }
+      for (int64_t b = 0; b < kRowBlock; ++b)
+#pragma omp simd
+        for (int64_t i = 0; i < kD; ++i) acc[(r0 + b) * kD + i] = o[b][i];
+    } else {
+      for (int64_t t = 0; t < block_seen; ++t) {
+        const float* vrow = vr + t * d;
+        for (int64_t b = 0; b < kRowBlock; ++b) {
+          const float w = p[b * kTile + t];
+          float* a = acc + (r0 + b) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += w * vrow[i];
+        }
       }
     }
   }
