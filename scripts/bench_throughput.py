@@ -7,9 +7,11 @@ JSON (results/bench_throughput.json).
     python scripts/bench_throughput.py [--model DIR] [--num-prompts 16] [--prompt-len 128] [--output-len 128]
 
 `--dtype bfloat16` runs three engines side by side: pagedjax in bf16 (bf16 matrices and KV
-cache, float32 activations), transformers in bf16 (torch on the same CPU) and pagedjax in
-float32; prints the tok/s of each, the ratios, and how often the first 8 greedy tokens of the
-bf16 run agree with the float32 run (results/bench_throughput_bfloat16.json).
+cache, float32 activations) and pagedjax in float32, timed alternately `--repeats` times
+(median and range), then transformers in bf16 (torch on the same CPU); prints the tok/s of
+each, the ratios, how often the first 8 greedy tokens of the bf16 run agree with the float32
+run, and each dtype's decode step next to its matmuls alone
+(results/bench_throughput_bfloat16.json).
 """
 from __future__ import annotations
 
@@ -58,29 +60,40 @@ def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int
             "token_ids": gen.tolist()}
 
 
-def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_len: int, args, dtype: str = "float32",
-                   profile: bool = False) -> dict:
-    """profile: also the median decode step at len(prompts) rows and its matmuls alone (step_floor.py)."""
+def start_pagedjax(model_dir: str, prompts: list[list[int]], output_len: int, args, dtype: str = "float32"):
+    """(LLM, SamplingParams) after one untimed run of the workload (compiles its buckets)."""
     from pagedjax import LLM, SamplingParams
 
     llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=dtype,
               block_size=args.block_size, warmup=False, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # compiles the buckets this workload uses
+    llm.generate(prompts, params, use_tqdm=False)
+    return llm, params
+
+
+def time_pagedjax(llm, params, prompts: list[list[int]]) -> dict:
+    """One timed run of the workload."""
     compiles = llm.stats()["num_compilations"]
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"seconds": dt, "output_tokens": n, "tokens_per_s": n / dt,
-           "compilations_during_timed_run": llm.stats()["num_compilations"] - compiles,
-           "token_ids": [o.outputs[0].token_ids for o in outs]}
-    if profile:
-        from step_floor import decode_step_ms, matmul_floor_ms
+    return {"seconds": dt, "output_tokens": n, "tokens_per_s": n / dt,
+            "compilations_during_timed_run": llm.stats()["num_compilations"] - compiles,
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
 
-        res["decode_step_ms"] = decode_step_ms(llm.engine, prompts)
-        res["matmul_floor_ms"] = matmul_floor_ms(llm.engine.model, len(prompts))
-    return res
+
+def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_len: int, args, dtype: str = "float32") -> dict:
+    llm, params = start_pagedjax(model_dir, prompts, output_len, args, dtype)
+    return time_pagedjax(llm, params, prompts)
+
+
+def profile_pagedjax(llm, prompts: list[list[int]]) -> dict:
+    """The median decode step at len(prompts) rows and its matmuls alone (step_floor.py)."""
+    from step_floor import decode_step_ms, matmul_floor_ms
+
+    return {"decode_step_ms": decode_step_ms(llm.engine, prompts),
+            "matmul_floor_ms": matmul_floor_ms(llm.engine.model, len(prompts))}
 
 
 def main() -> None:
@@ -95,6 +108,7 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16: pagedjax bf16 vs transformers bf16 vs pagedjax float32")
+    p.add_argument("--repeats", type=int, default=3, help="--dtype bfloat16: timed runs of each pagedjax dtype")
     p.add_argument("--out", default=None, help="JSON path (default: results/bench_throughput[_bfloat16].json)")
     args = p.parse_args()
     if args.dtype == "bfloat16":
@@ -141,26 +155,42 @@ def first_tokens_agreement(a: list[list[int]], b: list[list[int]], n: int = 8) -
 
 
 def main_bfloat16(args) -> None:
-    """pagedjax bf16, transformers bf16 and pagedjax float32 on the same workload, one run."""
+    """pagedjax bf16 and pagedjax float32 timed alternately (--repeats runs each: median and
+    range), and transformers bf16, on the same workload in one process."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompts = _workload(args, tmp)
-        ours = bench_pagedjax(model_dir, prompts, args.output_len, args, dtype="bfloat16", profile=True)
-        f32 = bench_pagedjax(model_dir, prompts, args.output_len, args, dtype="float32", profile=True)
+        engines = {dt: start_pagedjax(model_dir, prompts, args.output_len, args, dtype=dt)
+                   for dt in ("bfloat16", "float32")}
+        runs = {dt: [] for dt in engines}
+        for rep in range(args.repeats):  # alternating, so a noisy neighbour hits both alike
+            for dt in (("bfloat16", "float32") if rep % 2 == 0 else ("float32", "bfloat16")):
+                runs[dt].append(time_pagedjax(*engines[dt], prompts))
+        ours, f32 = (dict(runs[dt][-1], **profile_pagedjax(engines[dt][0], prompts)) for dt in ("bfloat16", "float32"))
+        for dt, run in (("bfloat16", ours), ("float32", f32)):
+            rates = [r["tokens_per_s"] for r in runs[dt]]
+            run.update(tokens_per_s=float(np.median(rates)), runs_tokens_per_s=rates)
+        del engines
         theirs = bench_transformers(model_dir, prompts, args.output_len, args.torch_threads, dtype="bfloat16")
     ids = {name: run.pop("token_ids") for name, run in (("bf16", ours), ("f32", f32), ("hf", theirs))}
     result = {
         "workload": {k: getattr(args, k) for k in ("model", "num_prompts", "prompt_len", "output_len",
-                                                    "max_num_seqs", "block_size")},
+                                                    "max_num_seqs", "block_size", "repeats")},
         "pagedjax_bfloat16": ours, "transformers_bfloat16": theirs, "pagedjax_float32": f32,
         "bf16_over_transformers_bf16": ours["tokens_per_s"] / theirs["tokens_per_s"],
         "bf16_over_pagedjax_f32": ours["tokens_per_s"] / f32["tokens_per_s"],
+        "bf16_over_pagedjax_f32_per_repeat": [a["tokens_per_s"] / b["tokens_per_s"]
+                                              for a, b in zip(runs["bfloat16"], runs["float32"])],
         "first8_bf16_vs_f32": first_tokens_agreement(ids["bf16"], ids["f32"]),
         "first8_bf16_vs_transformers_bf16": first_tokens_agreement(ids["bf16"], ids["hf"]),
     }
     for label, run in (("pagedjax bf16", ours), ("transformers bf16", theirs), ("pagedjax f32", f32)):
-        print(f"{label:18s} {run['tokens_per_s']:8.1f} tok/s  ({run['output_tokens']} tokens in {run['seconds']:.2f} s)")
+        spread = f"  [{min(run['runs_tokens_per_s']):.1f}-{max(run['runs_tokens_per_s']):.1f}, " \
+                 f"{len(run['runs_tokens_per_s'])} runs]" if "runs_tokens_per_s" in run else ""
+        print(f"{label:18s} {run['tokens_per_s']:8.1f} tok/s{spread}  ({run['output_tokens']} tokens per run)")
+    pairs = result["bf16_over_pagedjax_f32_per_repeat"]
     print(f"bf16 / transformers bf16  {result['bf16_over_transformers_bf16']:5.2f}x   (target >= 1.5x)")
-    print(f"bf16 / pagedjax f32       {result['bf16_over_pagedjax_f32']:5.2f}x   (target >= 1.8x)")
+    print(f"bf16 / pagedjax f32       {result['bf16_over_pagedjax_f32']:5.2f}x   (target >= 1.8x; per repeat "
+          f"{min(pairs):.2f}-{max(pairs):.2f})")
     agree = result["first8_bf16_vs_f32"]
     print(f"first 8 greedy tokens, bf16 vs f32: {agree['identical']} prompts identical, "
           f"{100 * agree['positions']:.0f}% of positions agree")
