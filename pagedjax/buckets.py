@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_TOKENS = 16
+MIN_TOKENS = 8
 _HALF_STEPS_UP_TO = 128  # below this the ladder also has the 1.5x rungs (48, 96): decode batches
 
 
-def token_ladder(max_tokens: int) -> list[int]:
-    """16, 32, 48, 64, 96, 128, 256, ... up to max_tokens (itself included)."""
-    out, v = [], MIN_TOKENS
+def token_ladder(max_tokens: int, min_tokens: int = MIN_TOKENS) -> list[int]:
+    """8, 16, 32, 48, 64, 96, 128, 256, ... up to max_tokens (itself included); from
+    min_tokens (a power of two) on."""
+    out, v = [], min_tokens
     while v < max_tokens:
         out.append(v)
         if v >= 32 and v < _HALF_STEPS_UP_TO and v * 3 // 2 < max_tokens:
@@ -31,14 +32,17 @@ class Buckets:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_draft_tokens: int = 0  # speculative decoding: draft tokens a step may verify
+    min_tokens: int = MIN_TOKENS  # the smallest rung
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < MIN_TOKENS:
-            raise ValueError(f"max_num_batched_tokens must be at least {MIN_TOKENS}, got {self.max_num_batched_tokens}")
+        if self.min_tokens < 1 or self.min_tokens & (self.min_tokens - 1):
+            raise ValueError(f"min_tokens must be a power of two, got {self.min_tokens}")
+        if self.max_num_batched_tokens < self.min_tokens:
+            raise ValueError(f"max_num_batched_tokens must be at least {self.min_tokens}, got {self.max_num_batched_tokens}")
 
     def token_buckets(self) -> list[int]:
         """Every step size T, smallest first."""
-        return token_ladder(self.max_num_batched_tokens)
+        return token_ladder(self.max_num_batched_tokens, self.min_tokens)
 
     def token_bucket(self, num_tokens: int) -> int:
         """The smallest rung holding num_tokens tokens."""

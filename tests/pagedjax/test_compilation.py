@@ -27,7 +27,7 @@ def test_no_compilation_after_first_generate(tiny_checkpoints):
     llm.wait_for_warmup()
     after_first = events.count
     assert after_first > 0
-    assert llm.engine.runner.compiled_shapes == [16, 32, 48, 64]  # one packed step shape per rung
+    assert llm.engine.runner.compiled_shapes == [8, 16, 32, 48, 64]  # one packed step shape per rung
     for batch, (lo, hi), max_tokens in [(1, (1, 5), 3), (3, (10, 40), 17), (7, (30, 80), 9), (2, (60, 90), 6)]:
         prompts = [rng.integers(2, 300, size=int(rng.integers(lo, hi))).tolist() for _ in range(batch)]
         params = [SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=0.9, seed=i)
@@ -57,21 +57,21 @@ def test_background_warmup_yields_to_steps_that_fit_and_resumes_when_idle_or_ful
     engine.add_request("small2", [3, 4, 5], SamplingParams(max_tokens=3))
     engine.step()
     llm.wait_for_warmup()  # finishes even while a request holds it
-    assert llm.engine.runner.compiled_shapes == [16, 32, 48, 64] and go.is_set()
-    assert llm.engine.runner._primed == {16, 32, 48, 64}  # each ran once, off the request path
+    assert llm.engine.runner.compiled_shapes == [8, 16, 32, 48, 64] and go.is_set()
+    assert llm.engine.runner._primed == {8, 16, 32, 48, 64}  # each ran once, off the request path
     engine.step()
     assert go.is_set(), "after wait_for_warmup nothing holds the warm-up again"
     while engine.has_unfinished_requests():
         engine.step()
 
 
-def test_default_configuration_compiles_ten_step_shapes():
+def test_default_configuration_compiles_eleven_step_shapes():
     from pagedjax.buckets import Buckets
 
-    assert Buckets(64, 2048).token_buckets() == [16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048]
-    assert Buckets(64, 2048).all_shapes()[:3] == [(16, 16), (32, 32), (48, 48)]
+    assert Buckets(64, 2048).token_buckets() == [8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048]
+    assert Buckets(64, 2048).all_shapes()[:3] == [(8, 8), (16, 16), (32, 32)]
     assert Buckets(64, 2048).all_shapes()[-1] == (2048, 64)
-    assert Buckets(4, 100).token_buckets() == [16, 32, 48, 64, 96, 100]
+    assert Buckets(4, 100).token_buckets() == [8, 16, 32, 48, 64, 96, 100]
 
 
 def test_no_compilation_after_warmup_across_every_sampling_feature(tiny_checkpoints, tmp_path):

@@ -43,7 +43,7 @@ def test_parity_while_buckets_compile_in_background(tiny_checkpoints):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert sched.pool.num_free == sched.pool.num_blocks
     llm.wait_for_warmup()
-    assert llm.stats()["warmup_done"] and llm.engine.runner.compiled_shapes == [16, 32, 48, 64, 96, 128]
+    assert llm.stats()["warmup_done"] and llm.engine.runner.compiled_shapes == [8, 16, 32, 48, 64, 96, 128]
 
 
 def test_parity_under_preemption_and_chunked_prefill(tiny_checkpoints):

@@ -9,8 +9,10 @@ from pagedjax.scheduler import Scheduler
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=64, caching=True):
+    """A scheduler whose smallest step is 16 tokens (the small prompts here run whole; the
+    8-token rung's trims are tested on their own)."""
     pool = BlockPool(num_blocks, block_size, caching)
-    return Scheduler(pool, Buckets(max_num_seqs, budget), max_model_len)
+    return Scheduler(pool, Buckets(max_num_seqs, budget, min_tokens=16), max_model_len)
 
 
 def req(rid, n, max_tokens=8, start=100):
@@ -160,6 +162,23 @@ def test_prompt_chunk_trimmed_to_fill_the_rung_below():
     assert out.q_lens == [1, 1, 1, 1, 28] and sum(out.q_lens) == 32
     out = run_step(s)
     assert out.q_lens == [1, 1, 1, 1, 4]
+
+
+def test_the_ladder_starts_at_8_tokens():
+    """By default the smallest step is 8 tokens: a lone 10-token prompt fills it (its last 2
+    tokens run next step rather than padding a 16-token step with 6), and a decode step of a
+    few requests is an 8-token step."""
+    buckets = Buckets(4, 64)
+    assert buckets.token_buckets()[:3] == [8, 16, 32]
+    s = Scheduler(BlockPool(16, 4, True), buckets, 64)
+    s.add(req("a", 10))
+    assert run_step(s).q_lens == [8]
+    assert run_step(s).q_lens == [2]
+    assert buckets.token_bucket(sum(run_step(s).q_lens)) == 8
+    with pytest.raises(ValueError, match="power of two"):
+        Buckets(4, 64, min_tokens=12)
+    with pytest.raises(ValueError, match="at least 16"):
+        Buckets(4, 8, min_tokens=16)
 
 
 def test_cache_salt_separates_tenants():
