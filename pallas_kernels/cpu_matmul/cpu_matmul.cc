@@ -1,13 +1,21 @@
-// Skinny bf16 matmul for the CPU backend (decode-sized batches), called through the XLA FFI:
+// bf16 matmul for the CPU backend, called through the XLA FFI:
 //   x [M, I] f32 (rounded to bf16 here, as x.astype(bfloat16) does), w [O, I] bf16 (the
 //   model's [out, in] layout)  ->  y [M, O] f32 = x . w^T, products and sums in f32.
-// Needs AVX512-BF16 (vdpbf16ps); I a multiple of 32, O a multiple of 4 (cpu_matmul.py checks).
+// I a multiple of 32; O a multiple of 4 (AVX512-BF16 path) or of 16 (AMX path); the Python
+// side checks.
 //
-// XLA:CPU's library dots reach a fraction of the memory bandwidth on these shapes (a few rows
-// against a weight matrix read once); this kernel streams each weight row once per call:
-// tasks own blocks of output features, each block of 4 weight rows (in L1) meets every
-// 4-row tile of x, 16 f32 accumulators, summed by one tree of shuffles at the end.
+// Two paths, the caller picks (attribute `amx`):
+// - AMX (Intel Sapphire Rapids and later): tiles of 16 weight rows x 32 inputs (read straight
+//   from w, row stride I) meet x packed as pairs ("VNNI": [I/2][16 rows][2]); C^T = w . x^T
+//   accumulates in 16x16 f32 tiles. A task owns 32 output features and walks every 32-row
+//   block of x, so each weight row is read from memory once and compute is never the limit.
+// - AVX512-BF16 (vdpbf16ps): tasks own blocks of output features, each block of 4 weight rows
+//   (in L1) meets every 4-row tile of x, 16 f32 accumulators, summed by one tree of shuffles.
+// XLA:CPU's library dots reach a fraction of the memory bandwidth on decode shapes (a few rows
+// against a weight matrix read once) and a fraction of AMX's compute on prompt-sized ones.
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -62,13 +70,157 @@ inline void Tile(const uint16_t* xb, const uint16_t* w, int64_t in, int64_t m0, 
   for (int64_t r = 0; r < kRows && m0 + r < m_count; ++r) std::memcpy(y + (m0 + r) * out_count + o0, lanes + 4 * r, 16);
 }
 
+// ---- AMX ------------------------------------------------------------------------------
+
+constexpr int64_t kTile = 16;  // AMX tile: 16 rows; 32 bf16 (64 bytes) a row
+
+struct TileConfig {  // the palette-1 layout ldtilecfg reads
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// r [16][16] 32-bit -> its transpose, in registers.
+inline void Transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 128-bit lane L of r[i + j]: column 4 L + j of rows i .. i + 4
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[h + j] = _mm512_shuffle_i32x4(r[h + j], r[h + 4 + j], 0x88);
+      t[h + 4 + j] = _mm512_shuffle_i32x4(r[h + j], r[h + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+// x [m, in] f32 -> bf16 pairs, one 16 x 32 tile (1 KiB) per (row block b, 32 inputs c):
+// xp32[((b * (in / 32) + c) * 16 + r) * 16 + j] = (x[16 b + j, 32 c + 2 r], x[.., 32 c + 2 r + 1]);
+// rows past m are zero.
+void PackX(const float* x, int64_t m, int64_t in, uint32_t* xp) {
+  const int64_t blocks = (m + kTile - 1) / kTile, chunks = in / 32;
+  std::vector<uint32_t> rows(blocks * kTile * (in / 2), 0);  // x in bf16, [16 blocks][in / 2] pairs
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < in; c += 32) {
+      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * in + c + 16), _mm512_loadu_ps(x + i * in + c));
+      _mm512_storeu_si512(rows.data() + i * (in / 2) + c / 2, (__m512i)pair);
+    }
+  __m512i r[16];
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows.data() + (b * kTile + j) * (in / 2) + c * 16);
+      Transpose16(r);
+      uint32_t* tile = xp + (b * chunks + c) * 256;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + j * 16, r[j]);
+    }
+}
+
+// C^T tiles for weight rows n0 .. n0 + 16 NT and x row blocks b0 .. b0 + MB (x packed):
+// ct[t][b] [16 n][16 rows]. Tiles 0-3: C, 4-5: weights, 6-7: x.
+template <int NT, int MB>
+__attribute__((target("amx-tile,amx-bf16"))) void AmxBlock(const uint16_t* w, int64_t in, const uint32_t* xp,
+                                                            int64_t b0, int64_t n0, float ct[2][2][256]) {
+  const int64_t chunks = in / 32;
+  _tile_zero(0);
+  if (MB > 1) _tile_zero(1);
+  if (NT > 1) _tile_zero(2);
+  if (NT > 1 && MB > 1) _tile_zero(3);
+  const uint16_t* w0 = w + n0 * in;
+  const uint32_t* x0 = xp + b0 * chunks * 256;
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, w0 + c * 32, in * 2);
+    _tile_loadd(6, x0 + c * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (MB > 1) {
+      _tile_loadd(7, x0 + (chunks + c) * 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (NT > 1) {
+      _tile_loadd(5, w0 + kTile * in + c * 32, in * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (MB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, ct[0][0], 64);
+  if (MB > 1) _tile_stored(1, ct[0][1], 64);
+  if (NT > 1) _tile_stored(2, ct[1][0], 64);
+  if (NT > 1 && MB > 1) _tile_stored(3, ct[1][1], 64);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void AmxTask(const uint16_t* w, int64_t in, int64_t out,
+                                                           const uint32_t* xp, int64_t m, int64_t task,
+                                                           float* y) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTile;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t n0 = task * 2 * kTile, nt = std::min<int64_t>(2, (out - n0) / kTile);
+  const int64_t blocks = (m + kTile - 1) / kTile;
+  alignas(64) float ct[2][2][256];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+    const int64_t mb = std::min<int64_t>(2, blocks - b0);
+    if (nt == 2 && mb == 2) AmxBlock<2, 2>(w, in, xp, b0, n0, ct);
+    else if (nt == 2) AmxBlock<2, 1>(w, in, xp, b0, n0, ct);
+    else if (mb == 2) AmxBlock<1, 2>(w, in, xp, b0, n0, ct);
+    else AmxBlock<1, 1>(w, in, xp, b0, n0, ct);
+    __m512i r[16];
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t b = 0; b < mb; ++b) {  // ct[t][b] [16 n][16 rows] -> y rows
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(ct[t][b] + j * kTile);
+        Transpose16(r);
+        for (int64_t j = 0; j < kTile && (b0 + b) * kTile + j < m; ++j)
+          _mm512_storeu_si512(y + ((b0 + b) * kTile + j) * out + n0 + t * kTile, r[j]);
+      }
+  }
+  _tile_release();
+}
+
+// Asks Linux for the AMX tile state (once per process); false where the CPU or kernel lacks it.
+bool AmxReady() {
+  static const bool ready = [] {
+    unsigned eax, ebx, ecx, edx;
+    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    const bool has_amx = (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, AMX-TILE
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return has_amx && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ready;
+}
+
+ffi::Error MatmulAmx(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t m, int64_t in,
+                     int64_t out, float* y) {
+  if (!AmxReady()) return ffi::Error::Internal("cpu matmul: AMX asked for but not available");
+  if (out % kTile != 0) return ffi::Error::InvalidArgument("cpu matmul: the AMX path needs O % 16 == 0");
+  const int64_t blocks = (m + kTile - 1) / kTile;
+  std::vector<uint32_t> xp(blocks * (in / 32) * 256, 0);
+  PackX(x, m, in, xp.data());
+  pagedjax::ParallelFor(pool, (out + 2 * kTile - 1) / (2 * kTile),
+                        [&](int64_t t) { AmxTask(w, in, out, xp.data(), m, t, y); });
+  return ffi::Error::Success();
+}
+
 ffi::Error MatmulBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::ResultBuffer<ffi::F32> y, bool amx) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || wd[1] % 32 != 0 || wd[0] % kOuts != 0)
     return ffi::Error::InvalidArgument("cpu matmul: x [M, I], w [O, I] with I % 32 == 0 and O % 4 == 0");
   const int64_t m = xd[0], in = xd[1], out = wd[0];
+  if (amx)
+    return MatmulAmx(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.typed_data()), m, in, out,
+                     y->typed_data());
   const int64_t m_pad = (m + kRows - 1) / kRows * kRows;
   // x rounded to bf16 (round to nearest even), zero rows up to a multiple of kRows
   std::vector<uint16_t> xb(m_pad * in, 0);
@@ -77,7 +229,7 @@ ffi::Error MatmulBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + i + 16), _mm512_loadu_ps(xp + i));
     _mm512_storeu_si512(xb.data() + i, (__m512i)pair);
   }
-  const uint16_t* wp = w.typed_data();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* yp = y->typed_data();
   const int64_t tasks = (out + kBlock - 1) / kBlock;
   pagedjax::ParallelFor(pool, tasks, [&](int64_t t) {
@@ -90,9 +242,12 @@ ffi::Error MatmulBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 
 }  // namespace
 
+extern "C" int PagedjaxAmxReady() { return AmxReady(); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulBF16, MatmulBF16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, I]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w [O, I]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, O]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, O]
+                                  .Attr<bool>("amx"));

@@ -1,5 +1,5 @@
-"""The native bf16 matmul (pallas_kernels/cpu_matmul) against its jnp reference, and the bf16
-model's decode steps running it."""
+"""The native bf16 matmul (pallas_kernels/cpu_matmul) against its jnp reference on both its
+paths (AVX512-BF16 and, where the CPU has it, AMX), and the bf16 model's decode steps running it."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,13 +12,20 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_matmul
                                 reason="native bf16 matmul: CPU with AVX512-BF16 and a C++ compiler")
 
 
+needs_amx = pytest.mark.skipif(not cpu_matmul.available() or not cpu_matmul.amx_available(),
+                               reason="the kernel's AMX path: a CPU with AMX (Sapphire Rapids or later)")
+PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="amx", marks=needs_amx)]
+
+
+@pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("m", [1, 3, 16, 29, 32])
-@pytest.mark.parametrize("o,i", [(4, 32), (100, 64), (960, 576), (576, 1536)])
-def test_matches_the_reference(m, o, i):
+@pytest.mark.parametrize("o,i", [(16, 32), (112, 64), (960, 576), (576, 1536)])
+def test_matches_the_reference(m, o, i, amx):
     rng = np.random.default_rng(m * 7 + o)
     x = jnp.asarray(rng.standard_normal((m, i)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((o, i)) * 0.1, jnp.bfloat16)
-    got = np.asarray(jax.jit(matmul_bf16)(x, w))
+    mm = jax.jit(lambda x, w: matmul_bf16(x, w, amx=amx))
+    got = np.asarray(mm(x, w))
     want = np.asarray(matmul_bf16_reference(x, w))
     assert got.shape == (m, o) and got.dtype == np.float32
     # same bf16 products, float32 sums in another order: within a few float32 ulps of the sums' scale
@@ -26,14 +33,34 @@ def test_matches_the_reference(m, o, i):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
     # x is rounded to bf16 like x.astype(bfloat16): exactly representable inputs give exact sums
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)
-    np.testing.assert_allclose(np.asarray(jax.jit(matmul_bf16)(xb, w)), got, rtol=0, atol=0)
+    np.testing.assert_allclose(np.asarray(mm(xb, w)), got, rtol=0, atol=0)
+
+
+@needs_amx
+@pytest.mark.parametrize("m,o,i", [(4, 100, 32), (17, 48, 96), (64, 16, 64), (300, 80, 160)])
+def test_amx_path_odd_shapes(m, o, i):
+    """AMX tiles: any M (a last row block of 1-15 rows, several block pairs), one or two weight
+    tiles of 16 rows per task (O = 48: a task with a single tile); O % 16 == 0 only."""
+    rng = np.random.default_rng(m + o + i)
+    x = jnp.asarray(rng.standard_normal((m, i)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((o, i)) * 0.1, jnp.bfloat16)
+    if o % 16:
+        with pytest.raises(ValueError, match="AMX"):
+            matmul_bf16(x, w, amx=True)
+        return
+    want = np.asarray(matmul_bf16_reference(x, w))
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: matmul_bf16(x, w, amx=True))(x, w)), want,
+                               rtol=0, atol=1e-5 * np.sqrt(i) * np.abs(want).mean())
 
 
 def test_supported_shapes_and_errors():
     assert cpu_matmul.supported(16, 576, 960)
-    assert not cpu_matmul.supported(cpu_matmul.MAX_ROWS + 1, 576, 960)  # prefill: XLA's dot
+    assert not cpu_matmul.supported(max(cpu_matmul.MAX_ROWS, cpu_matmul.AMX_MAX_ROWS) + 1, 576, 960)  # prefill: XLA
     assert not cpu_matmul.supported(16, 48, 960)  # I % 32
     assert not cpu_matmul.supported(16, 576, 962)  # O % 4
+    assert cpu_matmul.supported(16, 576, 100) and cpu_matmul.supported(16, 576, 112)  # AVX512 / either path
+    with pytest.raises(ValueError, match="AVX512"):
+        matmul_bf16(jnp.ones((cpu_matmul.MAX_ROWS + 1, 32)), jnp.ones((16, 32), jnp.bfloat16), amx=False)
     with pytest.raises(ValueError, match="bfloat16"):
         matmul_bf16(jnp.ones((2, 32)), jnp.ones((4, 32), jnp.float32))
     with pytest.raises(ValueError, match=r"\[M, I\]"):
@@ -48,6 +75,7 @@ def test_bf16_decode_steps_run_the_kernel(tiny_checkpoints):
     path = tiny_checkpoints("llama")[0]
     kw = dict(max_num_seqs=8, max_model_len=128, block_size=8, num_blocks=64, warmup=False)
     runner = LLM(str(path), dtype="bfloat16", **kw).engine.runner
-    hlo = lambda t: runner.compile_bucket(t).as_text()
-    assert "pagedjax_matmul_bf16" in hlo(16) and "pagedjax_matmul_bf16" not in hlo(64)
+    calls = lambda t: runner.compile_bucket(t).as_text().count('custom_call_target="pagedjax_matmul_bf16"')
+    head = 1 if cpu_matmul.amx_available() else 0  # the vocab head (on the step's few sampled rows) with AMX
+    assert calls(16) > head and calls(64) == head
     assert "pagedjax_matmul_bf16" not in LLM(str(path), dtype="float32", **kw).engine.runner.compile_bucket(16).as_text()
