@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--lookup-min", type=int, default=1)
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repeats", type=int, default=3, help="runs of each case per mode (median and range printed)")

@@ -70,7 +70,7 @@ def matmul_floor_ms(model, rows: int = 16, iters: int = 30) -> float:
             x = x + linear(qkv[:, :q_width], wo, native)
             gu = linear(x, w_gate_up, native)
             x = x + linear(gu[:, :inter] * gu[:, inter:], w_down, native)
-        return linear(x, head)
+        return linear(x, head, model.native_head)
 
     x = jnp.ones((rows, cfg.hidden_size), jnp.float32)
     jax.block_until_ready(chain(weights, head, x))
