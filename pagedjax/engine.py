@@ -426,6 +426,11 @@ class LLMEngine:
         self.schedulers[rank].add(group.root)
         self._beam_groups[request_id] = group
 
+    def step_costs(self) -> dict[int, float]:
+        """Wall seconds of a step by its size T, as measured so far (moving averages; kept with
+        speculative decoding, whose draft allocation weighs them)."""
+        return dict(sorted(self._step_seconds.items()))
+
     def _step_cost(self, t: int) -> float:
         """Expected seconds of a step of t tokens: measured (a moving average), else that of
         the nearest measured size: an optimistic guess, so a size is tried once and then

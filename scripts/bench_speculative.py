@@ -5,7 +5,8 @@ continue a given passage (greedy, --max-tokens new tokens), at batch 1 (one requ
 time), in a closed batch of 8, and all 12 at once through the engine's 8 sequence slots
 (continuous batching), with and without `speculative_config`; then random-token prompts
 (nothing to copy) show what speculation costs when it cannot help. Prints tokens/s, the
-speed-up, the acceptance rate and whether the outputs are identical; writes JSON.
+speed-up, the acceptance rate, whether the outputs are identical and the engine steps a run
+took each way, then what a step of each size cost the speculating engine; writes JSON.
 
     python scripts/bench_speculative.py [--model DIR] [--max-tokens 128] [--k 4]
 """
@@ -59,16 +60,16 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[list[list[int]], float, int]:
-    """(outputs, seconds, tokens) for `prompts` in batches of `batch`."""
+def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[list[list[int]], float, int, int]:
+    """(outputs, seconds, tokens, engine steps) for `prompts` in batches of `batch`."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    outs, tokens = [], 0
+    outs, tokens, steps = [], 0, llm.engine.num_steps
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         for o in llm.generate(prompts[i:i + batch], sp, use_tqdm=False):
             outs.append(o.outputs[0].token_ids)
             tokens += len(o.outputs[0].token_ids)
-    return outs, time.perf_counter() - start, tokens
+    return outs, time.perf_counter() - start, tokens, llm.engine.num_steps - steps
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -101,14 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
              ("random tokens, batch 8", random_prompts, 8)]
     results = {"config": vars(args) | {"speculative_config": spec}, "cases": {}}
     print(f"{'case':28s} {'off tok/s':>16s} {'on tok/s':>16s} {'speed-up':>9s} {'accepted':>9s} "
-          f"{'tokens/step':>12s} {'identical':>10s}")
+          f"{'tokens/step':>12s} {'identical':>10s} {'steps off/on':>13s}")
     for name, batch_prompts, batch in cases:
         llm_on, rates = engines["on"], {"off": [], "on": []}
         before, steps_before = llm_on.stats(), llm_on.engine.num_verify_steps
-        outs = {}
+        outs, steps = {}, {}
         for rep in range(args.repeats):  # alternating, so a noisy neighbour hits both alike
             for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                outs[mode], seconds, tokens = run(engines[mode], batch_prompts, batch, args.max_tokens)
+                outs[mode], seconds, tokens, steps[mode] = run(engines[mode], batch_prompts, batch, args.max_tokens)
                 rates[mode].append(tokens / seconds)
         after = llm_on.stats()
         drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
@@ -118,12 +119,19 @@ def main(argv: list[str] | None = None) -> dict:
         case = {"off_tok_s": off, "on_tok_s": on, "off_runs": rates["off"], "on_runs": rates["on"],
                 "speedup": on / off, "draft_tokens": drafts, "accepted_tokens": accepted,
                 "acceptance_rate": accepted / max(drafts, 1), "tokens_per_verify_step": 1 + accepted / max(verify_steps, 1),
-                "identical": outs["on"] == outs["off"], "num_prompts": len(batch_prompts)}
+                "identical": outs["on"] == outs["off"], "num_prompts": len(batch_prompts),
+                "steps_off": steps["off"], "steps_on": steps["on"]}
         results["cases"][name] = case
         spread = lambda r: f"{np.median(r):5.1f} [{min(r):.0f}-{max(r):.0f}]"
         print(f"{name:28s} {spread(rates['off']):>16s} {spread(rates['on']):>16s} {case['speedup']:8.2f}x "
               f"{100 * case['acceptance_rate']:8.1f}% {case['tokens_per_verify_step']:12.2f} "
-              f"{str(case['identical']):>10s}")
+              f"{str(case['identical']):>10s} {steps['off']:>6d}/{steps['on']:<6d}")
+    # what a step of each size cost the speculating engine (moving averages of wall time): the
+    # draft allocation weighs these
+    costs = engines["on"].engine.step_costs()
+    results["step_ms"] = {t: 1e3 * c for t, c in costs.items()}
+    print("step wall time by size, speculating engine (ms): " + ", ".join(f"{t} tokens {1e3 * c:.1f}"
+                                                                           for t, c in costs.items()))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

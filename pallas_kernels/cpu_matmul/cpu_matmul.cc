@@ -8,11 +8,12 @@
 // - AMX (Intel Sapphire Rapids and later): tiles of 16 weight rows x 32 inputs (read straight
 //   from w, row stride I) meet x packed as pairs ("VNNI": [I/2][16 rows][2]); C^T = w . x^T
 //   accumulates in 16x16 f32 tiles. A task owns 32 output features and walks every 32-row
-//   block of x, so each weight row is read from memory once and compute is never the limit.
+//   block of x, so each weight row is read from memory once per call; up to 32 rows the call
+//   runs at the speed the weights stream in (scripts/bench_matmul.py).
 // - AVX512-BF16 (vdpbf16ps): tasks own blocks of output features, each block of 4 weight rows
 //   (in L1) meets every 4-row tile of x, 16 f32 accumulators, summed by one tree of shuffles.
 // XLA:CPU's library dots reach a fraction of the memory bandwidth on decode shapes (a few rows
-// against a weight matrix read once) and a fraction of AMX's compute on prompt-sized ones.
+// against a weight matrix read once).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
