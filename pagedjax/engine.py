@@ -4,6 +4,7 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -30,6 +31,8 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
 from pagedjax.speculative import propose
 from pagedjax.token_mask import MaskRules, TokenMask, mask_needed
+
+STEP_SAMPLES = 9  # recent wall times kept per step size (speculative decoding's cost model)
 
 
 @dataclass(slots=True, eq=False)
@@ -127,7 +130,10 @@ class LLMEngine:
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, accepted, request-steps that verified
         self.num_accepted_draft_tokens = 0
         self.num_verify_steps = 0
-        self._step_seconds: dict[int, float] = {}  # T -> moving average of a step's wall time
+        # T -> the median wall time of its last STEP_SAMPLES steps (a median: one step slowed by a
+        # neighbour or a first run must not make a size look expensive for long)
+        self._step_samples: dict[int, collections.deque] = {}
+        self._step_seconds: dict[int, float] = {}
         for sched in self.schedulers:
             sched.step_cost = self._step_cost
         # schedule step t + 1 while the device runs step t (see step()); never across processes,
@@ -295,7 +301,9 @@ class LLMEngine:
         if self.spec is not None:  # what a step of each size costs here (the draft allocation weighs it)
             took = time.perf_counter() - pending.began
             t = pending.t
-            self._step_seconds[t] = took if t not in self._step_seconds else 0.8 * self._step_seconds[t] + 0.2 * took
+            samples = self._step_samples.setdefault(t, collections.deque(maxlen=STEP_SAMPLES))
+            samples.append(took)
+            self._step_seconds[t] = float(np.median(samples))
         if result.prompt is not None:
             self._collect_prompt_logprobs(outs, result.prompt)
         return self._process(produced, result)
@@ -427,12 +435,12 @@ class LLMEngine:
         self._beam_groups[request_id] = group
 
     def step_costs(self) -> dict[int, float]:
-        """Wall seconds of a step by its size T, as measured so far (moving averages; kept with
-        speculative decoding, whose draft allocation weighs them)."""
+        """Wall seconds of a step by its size T, as measured so far (medians of recent steps;
+        kept with speculative decoding, whose draft allocation weighs them)."""
         return dict(sorted(self._step_seconds.items()))
 
     def _step_cost(self, t: int) -> float:
-        """Expected seconds of a step of t tokens: measured (a moving average), else that of
+        """Expected seconds of a step of t tokens: measured (a recent median), else that of
         the nearest measured size: an optimistic guess, so a size is tried once and then
         known (small steps are weight-bound, bigger ones compute-bound, and where the turn
         comes depends on the device)."""

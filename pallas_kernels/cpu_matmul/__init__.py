@@ -30,8 +30,8 @@ from pallas_kernels import native_build
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _TARGET, _SYMBOL = "pagedjax_matmul_bf16", "MatmulBF16"
 MAX_ROWS = 32  # AVX512-BF16 path; larger M: XLA's dot (both are compute-bound there; XLA tiles it better)
-AMX_MAX_ROWS = 32  # what `supported` offers the AMX path; larger M: XLA's dot, which uses AMX too and
-#                    tiles prompt-sized shapes better (measured: 64 rows 25 ms XLA, 29 ms here)
+AMX_MAX_ROWS = 64  # what `supported` offers the AMX path; larger M: XLA's dot, which uses AMX too and
+#                    tiles prompt-sized shapes better (scripts/bench_matmul.py: even at ~96 rows)
 log = logging.getLogger(__name__)
 _lib: list = []  # the loaded library (amx_available asks it)
 
