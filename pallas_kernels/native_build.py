@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 
 _HEADER_DIR = Path(__file__).parent  # parallel_for.h
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
 
 
 def cache_dir() -> Path:
