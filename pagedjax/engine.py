@@ -114,6 +114,17 @@ class LLMEngine:
             cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl, mesh=self.mesh)
         max_blocks = -(-cfg.max_model_len // block_size)
         self.runner = ModelRunner(self.model, self.buckets, cache, max_blocks, kv_dtype, self.mesh)
+        self.drafter = None  # speculative decoding with a draft model
+        if self.spec is not None and self.spec.method == "draft_model":
+            from pagedjax.draft_model import DRAFT_BLOCK_SIZE, DraftModelProposer
+
+            # room for every token the target's pools hold, plus k drafts for each sequence
+            seqs = max_seqs * cfg.data_parallel_size
+            tokens = cfg.num_blocks * block_size * cfg.data_parallel_size + seqs * (self.spec.num_speculative_tokens + 1)
+            self.drafter = DraftModelProposer(
+                self.spec.model, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, vocab_size=mc.vocab_size,
+                max_num_seqs=seqs, max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                num_blocks=-(-tokens // DRAFT_BLOCK_SIZE) + seqs, attention_impl=cfg.attention_impl)
         # read once from the arrays' shards (their placement never changes)
         self.weight_bytes_per_device = bytes_per_device(self.runner.state)
         self.kv_pool_bytes_per_device = bytes_per_device(self.runner.kv)
@@ -451,18 +462,25 @@ class LLMEngine:
         return self._step_seconds[min(self._step_seconds, key=lambda m: abs(m - t))]
 
     def _propose_drafts(self) -> None:
-        """Prompt-lookup drafts for every running request about to decode (not for beams,
-        nor for requests whose penalties or token masks depend on each token before it)."""
-        spec = self.spec
+        """Drafts (prompt lookup, or the draft model) for every running request about to
+        decode (not for beams, nor for requests whose penalties or token masks depend on each
+        token before it)."""
+        spec, wanted = self.spec, []
         for sched in self.schedulers:
             for req in sched.running:
                 p = req.params
+                req.draft_token_ids = []
                 if (req.num_tokens - req.num_computed_tokens == 1 and req.output_token_ids and req.beam_group is None
                         and not p.uses_penalties and not p.uses_token_mask):
-                    req.draft_token_ids = propose(np.asarray(req.all_token_ids), spec.num_speculative_tokens,
-                                                  spec.prompt_lookup_min, spec.prompt_lookup_max)
-                else:
-                    req.draft_token_ids = []
+                    wanted.append(req)
+        if self.drafter is not None:
+            running = {id(req) for sched in self.schedulers for req in sched.running}
+            for req, drafts in zip(wanted, self.drafter.propose(wanted, spec.num_speculative_tokens, running)):
+                req.draft_token_ids = drafts
+            return
+        for req in wanted:
+            req.draft_token_ids = propose(np.asarray(req.all_token_ids), spec.num_speculative_tokens,
+                                          spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _emitted(self, result, out, i: int, row: int) -> list[int]:
         """The tokens entry i of `out` emits: its sampled token, or with drafts the accepted
@@ -558,6 +576,8 @@ class LLMEngine:
 
     def _forget(self, seq: _Sequence) -> None:
         self.runner.release_penalty_slot(seq.req)
+        if self.drafter is not None:
+            self.drafter.release(seq.req)
         self._seq_of.pop(seq.req.request_id, None)
         self._group_of.pop(seq.req.request_id, None)
 
@@ -568,6 +588,8 @@ class LLMEngine:
         background: compile the smallest bucket now and the others on a background thread;
         steps stay within the compiled buckets meanwhile (prompts take smaller chunks), so
         serving starts at once and never compiles on the request path."""
+        if self.drafter is not None:  # the draft model's steps (small) compile first, here
+            self.drafter.warmup()
         if background and not is_multiprocess():  # processes must agree on every step's size
             self.runner.start_background_warmup()
         else:

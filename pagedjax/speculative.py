@@ -22,13 +22,15 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` for prompt lookup: {"method": "ngram",
-    "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}."""
+    """vLLM's `speculative_config`: prompt lookup, {"method": "ngram", "num_speculative_tokens":
+    k, "prompt_lookup_min": a, "prompt_lookup_max": b}, or a draft model, {"model": path,
+    "num_speculative_tokens": k} (method "draft_model"; see draft_model.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     method: str = "ngram"
+    model: str | None = None  # the draft model (method "draft_model")
 
     @classmethod
     def parse(cls, config) -> "SpeculativeConfig | None":
@@ -37,16 +39,30 @@ class SpeculativeConfig:
             return config
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; this engine knows {sorted(known)}")
-        method = config.get("method", "ngram")
-        if method not in ("ngram", "prompt_lookup"):
-            raise ValueError(f"speculative_config: method {method!r} is not supported; use 'ngram' (prompt lookup)")
+        method = config.get("method", "draft_model" if config.get("model") is not None else "ngram")
+        if method not in ("ngram", "prompt_lookup", "draft_model"):
+            raise ValueError(f"speculative_config: method {method!r} is not supported; use 'ngram' (prompt lookup) "
+                             "or 'draft_model' (with 'model')")
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config needs num_speculative_tokens")
         k = config["num_speculative_tokens"]
+        if method == "draft_model":
+            model = config.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft checkpoint's path")
+            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(config))
+            if lookup:
+                raise ValueError(f"speculative_config: {lookup} apply to method 'ngram', not to a draft model")
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
+                                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            return cls(k, method="draft_model", model=model)
+        if config.get("model") is not None:
+            raise ValueError(f"speculative_config: 'model' (a draft model) does not go with method {method!r}")
         lo = config.get("prompt_lookup_min", min(2, config.get("prompt_lookup_max", 4)))
         hi = config.get("prompt_lookup_max", max(4, lo))
         for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):

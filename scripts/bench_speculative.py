@@ -1,4 +1,4 @@
-"""Speculative decoding (prompt lookup) on vs off, side by side in one run.
+"""Speculative decoding (prompt lookup, or a draft model) on vs off, side by side in one run.
 
 The default model (or --model) answers chat prompts that ask it to repeat, correct or
 continue a given passage (greedy, --max-tokens new tokens), at batch 1 (one request at a
@@ -7,8 +7,9 @@ time), in a closed batch of 8, and all 12 at once through the engine's 8 sequenc
 (nothing to copy) show what speculation costs when it cannot help. Prints tokens/s, the
 speed-up, the acceptance rate, whether the outputs are identical and the engine steps a run
 took each way, then what a step of each size cost the speculating engine; writes JSON.
+`--draft-model DIR` speculates with a draft model (same vocabulary) instead of prompt lookup.
 
-    python scripts/bench_speculative.py [--model DIR] [--max-tokens 128] [--k 4]
+    python scripts/bench_speculative.py [--model DIR] [--max-tokens 128] [--k 4] [--draft-model DIR]
 """
 from __future__ import annotations
 
@@ -80,12 +81,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lookup-min", type=int, default=1)
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--draft-model", default=None,
+                   help="a draft model's dir (same vocabulary) instead of prompt lookup")
     p.add_argument("--repeats", type=int, default=3, help="runs of each case per mode (median and range printed)")
     p.add_argument("--batch-1-prompts", type=int, default=4, help="prompts run one at a time")
     p.add_argument("--output", default="results/bench_speculative.json")
     args = p.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
+    if args.draft_model:
+        spec = {"model": args.draft_model, "num_speculative_tokens": args.k}
     kw = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024, dtype=args.dtype)
     engines = {"off": LLM(args.model, **kw), "on": LLM(args.model, speculative_config=spec, **kw)}
     for llm in engines.values():

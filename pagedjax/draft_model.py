@@ -1,0 +1,243 @@
+"""Speculative drafts from a smaller model with the target's vocabulary (a draft model).
+
+Before each engine step the draft model reads what it has not seen of each speculating
+request (its prompt at first, then the tokens the last step accepted; one packed step, or a
+few for long prompts) and then proposes k tokens greedily, one packed decode step per draft,
+with the drafts fed back on the device (one transfer to the host at the end). The target
+verifies them exactly as it does prompt-lookup drafts (`speculative.py`): greedy output is
+the target's own, and sampled output keeps the target's distribution (a greedy draft is a
+deterministic proposal, which the verifier's accept-or-redraw rule allows).
+
+The draft keeps its own paged KV pool and block tables: a slot per running request, whose
+blocks are taken from the pool as its tokens grow and all returned when the request stops
+running (a preempted request reads its tokens again when it comes back). After verification
+the KV of rejected drafts is simply not counted: a slot remembers which tokens its KV holds
+and keeps the longest prefix the request still agrees with.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.dtypes import resolve_kv_cache_dtype
+from models.kv_cache import AttentionMetadata, PagedKVCache, init_kv_cache
+from models.loader import load_model
+from pagedjax.buckets import Buckets
+
+DRAFT_BLOCK_SIZE = 16
+
+
+class DraftModelProposer:
+    """Greedy drafts from `model` (a local HF dir) for up to `max_num_seqs` running requests.
+
+    vocab_size: the target's (the draft must match it). num_blocks: the draft pool's size in
+    blocks of DRAFT_BLOCK_SIZE tokens (the engine sizes it like the target's pool in tokens,
+    plus k drafts per sequence)."""
+
+    def __init__(self, model: str, *, dtype: str, kv_cache_dtype: str, vocab_size: int, max_num_seqs: int,
+                 max_model_len: int, max_num_batched_tokens: int, num_blocks: int, attention_impl: str = "auto"):
+        draft, cfg, _ = load_model(model, dtype)
+        if cfg.vocab_size != vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) differs "
+                             f"from the target's ({vocab_size}); a draft model must share the target's tokenizer")
+        self.config = cfg
+        self.graphdef, self.state = nnx.split(draft)
+        self.buckets = Buckets(max_num_seqs, max_num_batched_tokens)
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // DRAFT_BLOCK_SIZE)  # MB: table width
+        self.cache = PagedKVCache(num_blocks, DRAFT_BLOCK_SIZE, attention_impl)
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, draft.dtype)
+        self.kv = init_kv_cache(self.cache, cfg.num_layers, draft.num_kv_heads, cfg.head_dim, kv_dtype)
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes the lowest
+        self._slots: dict[int, _Slot] = {}  # id(request) -> its slot
+        self._rows = self.buckets.num_seqs(self.buckets.max_num_batched_tokens)  # padded width of `next`
+        self._step = jax.jit(self._forward, donate_argnums=(1,))
+        self._device = jax.tree.leaves(self.state)[0].sharding  # the draft runs where its weights are
+        self.kv = jax.device_put(self.kv, self._device)  # placed as the step returns it: one compile per T
+        self.num_forward_steps = 0
+
+    # -- device ---------------------------------------------------------------------------
+    def _forward(self, state, kv, tokens, from_prev, prev, md: AttentionMetadata, last):
+        """-> (kv, next [R] int32: the argmax after token last[s] of each sequence s, padded).
+        tokens [T]; from_prev [T]: where >= 0, the token is prev[from_prev] (the previous
+        step's drafts, never through the host)."""
+        model = nnx.merge(self.graphdef, state)
+        tokens = jnp.where(from_prev >= 0, prev[jnp.maximum(from_prev, 0)], tokens)
+        hidden, kv = model(tokens, md, kv, self.cache)  # [T, E]
+        nxt = jnp.argmax(model.logits(hidden[last]), axis=-1).astype(jnp.int32)  # [S]
+        return kv, jnp.pad(nxt, (0, self._rows - nxt.shape[0]))
+
+    def warmup(self) -> None:
+        """Compiles (and runs once, writing nothing) every step size."""
+        for t in self.buckets.token_buckets():
+            self._run([], t)
+
+    # -- host -----------------------------------------------------------------------------
+    def propose(self, requests: list, k: int, running: set[int]) -> list[list[int]]:
+        """Up to k greedy drafts after each request's tokens. running: id() of every request
+        still running (the slots of the others are freed first)."""
+        for key in [key for key in self._slots if key not in running]:
+            self._release(key)
+        live, drafts = [], [[] for _ in requests]
+        for i, req in enumerate(requests):
+            tokens = req.all_token_ids
+            n = min(k, self.max_model_len - len(tokens))  # drafts at positions < max_model_len
+            slot = self._slot(req)
+            if n <= 0 or slot is None or not slot.keep(tokens) or not self._reserve(slot, len(tokens) + n - 1):
+                continue
+            live.append((i, slot, tokens, n))
+        if not live:
+            return drafts
+        first = self._catch_up(live)  # [len(live)] the first draft of each
+        for (i, _, _, _), d in zip(live, first):
+            drafts[i].append(d)
+        self._decode(live, first, drafts)
+        return drafts
+
+    def _catch_up(self, live) -> list[int]:
+        """Feeds each request's tokens its slot has not seen (at least its last one); returns
+        the argmax after each request's last token."""
+        first = [0] * len(live)
+        todo = list(range(len(live)))
+        cap = self.buckets.max_num_batched_tokens
+        while todo:
+            rows, room = [], cap
+            for j in todo:
+                if room == 0 or len(rows) == self.buckets.num_seqs(cap):
+                    break
+                _, slot, tokens, _ = live[j]
+                chunk = tokens[slot.length:slot.length + room]
+                rows.append((j, slot, chunk))
+                room -= len(chunk)
+            t = self.buckets.token_bucket(sum(len(c) for _, _, c in rows))
+            nxt = self._run([(slot, chunk) for _, slot, chunk in rows], t)
+            done = []
+            for r, (j, slot, chunk) in enumerate(rows):
+                slot.seen.extend(chunk)
+                if slot.length == len(live[j][2]):
+                    done.append((r, j))
+            values = np.asarray(nxt)
+            for r, j in done:
+                first[j] = int(values[r])
+            finished = {j for _, j in done}
+            todo = [j for j in todo if j not in finished]
+        return first
+
+    def _decode(self, live, first: list[int], drafts: list[list[int]]) -> None:
+        """Drafts 2..n: one decode step per draft over the requests still drafting, each fed
+        its previous draft on the device; one transfer at the end."""
+        prev = self._on_device(np.pad(np.asarray(first, np.int32), (0, self._rows - len(first))))
+        outs, rows = [], list(range(len(live)))  # rows: indices into live, this step's row order
+        for step in range(1, max(n for *_, n in live)):
+            rows_next = [j for j in rows if live[j][3] > step]
+            if not rows_next:
+                break
+            order = {j: r for r, j in enumerate(rows)}  # where each request's last draft sits in prev
+            feed = [(live[j][1], [None]) for j in rows_next]
+            t = self.buckets.token_bucket(len(feed))
+            from_prev = np.full(t, -1, np.int32)
+            from_prev[:len(rows_next)] = [order[j] for j in rows_next]
+            prev = self._run(feed, t, from_prev, prev)
+            for j in rows_next:  # the fed draft is now in the slot's KV (its id is filled in below)
+                live[j][1].seen.append(None)
+            outs.append((rows_next, prev))
+            rows = rows_next
+        for rows_step, values in zip(outs, jax.device_get([o for _, o in outs])):
+            for r, j in enumerate(rows_step[0]):
+                i, slot = live[j][0], live[j][1]
+                slot.seen[len(live[j][2]) + len(drafts[i]) - 1] = drafts[i][-1]
+                drafts[i].append(int(values[r]))
+
+    def _run(self, rows: list[tuple["_Slot", list]], t: int, from_prev=None, prev=None):
+        """One packed step of T = t tokens: rows (slot, tokens to feed at its next positions;
+        None: fed from prev). Returns next [R] on the device."""
+        s = self.buckets.num_seqs(t)
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        tables = np.zeros((s, self.max_blocks), np.int32)
+        kv_lens = np.zeros(s, np.int32)
+        cu = np.zeros(s + 1, np.int32)
+        last = np.zeros(s, np.int32)
+        at = 0
+        for r, (slot, chunk) in enumerate(rows):
+            pos = np.arange(slot.length, slot.length + len(chunk))
+            tokens[at:at + len(chunk)] = [0 if x is None else x for x in chunk]
+            positions[at:at + len(chunk)] = pos
+            blocks = np.asarray(slot.blocks, np.int32)
+            slots[at:at + len(chunk)] = blocks[pos // DRAFT_BLOCK_SIZE] * DRAFT_BLOCK_SIZE + pos % DRAFT_BLOCK_SIZE
+            tables[r, :len(blocks)] = blocks
+            kv_lens[r] = slot.length + len(chunk)
+            at += len(chunk)
+            cu[r + 1] = at
+            last[r] = at - 1
+        cu[len(rows) + 1:] = at
+        md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
+        if from_prev is None:
+            from_prev = np.full(t, -1, np.int32)
+        if prev is None:
+            prev = self._on_device(np.zeros(self._rows, np.int32))
+        self.kv, nxt = self._step(self.state, self.kv, tokens, from_prev, prev, md, last)
+        self.num_forward_steps += 1
+        return nxt
+
+    def _on_device(self, x: np.ndarray) -> jax.Array:
+        """x placed as the step's own outputs are (one compiled step serves both)."""
+        return jax.device_put(x, self._device)
+
+    # -- slots ----------------------------------------------------------------------------
+    def _slot(self, req) -> "_Slot | None":
+        slot = self._slots.get(id(req))
+        if slot is None or slot.request is not req:
+            if slot is not None:
+                self._release(id(req))
+            slot = self._slots[id(req)] = _Slot(req)
+        return slot
+
+    def _reserve(self, slot: "_Slot", num_tokens: int) -> bool:
+        """Blocks for the slot's first num_tokens positions; False (nothing taken) when the
+        pool is short."""
+        need = -(-num_tokens // DRAFT_BLOCK_SIZE) - len(slot.blocks)
+        if need > len(self._free_blocks):
+            return False
+        for _ in range(max(need, 0)):
+            slot.blocks.append(self._free_blocks.pop())
+        return True
+
+    def release(self, request) -> None:
+        """Returns a finished request's blocks to the draft pool (if it holds any)."""
+        slot = self._slots.get(id(request))
+        if slot is not None and slot.request is request:
+            self._release(id(request))
+
+    def _release(self, key: int) -> None:
+        slot = self._slots.pop(key)
+        self._free_blocks.extend(reversed(slot.blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+
+class _Slot:
+    """A request's place in the draft pool: its blocks and the tokens whose KV they hold."""
+
+    def __init__(self, request):
+        self.request = request  # kept so that id() stays unique while the slot lives
+        self.blocks: list[int] = []
+        self.seen: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.seen)
+
+    def keep(self, tokens: list[int]) -> bool:
+        """Drops what the request no longer agrees with (rejected drafts) and always its last
+        token (the drafts start from its logits); False if nothing is left to feed."""
+        n = min(len(self.seen), len(tokens) - 1)
+        a, b = np.asarray(self.seen[:n]), np.asarray(tokens[:n])
+        bad = np.flatnonzero(a != b)
+        del self.seen[int(bad[0]) if len(bad) else n:]
+        return len(tokens) > 0

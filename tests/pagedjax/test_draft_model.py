@@ -1,0 +1,103 @@
+"""Speculative decoding with a draft model: greedy outputs are the target's own (transformers'
+token for token) whatever the draft, a draft identical to the target has its drafts accepted,
+and every block of both pools comes back."""
+import numpy as np
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.speculative import SpeculativeConfig
+from tiny_models import COMMON, FAMILIES, hf_greedy
+
+KW = dict(max_num_seqs=4, max_model_len=256, block_size=8, num_blocks=96, max_num_batched_tokens=64, warmup=False)
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(2, 384, 30).tolist(), rng.integers(2, 384, 75).tolist(), [5, 6, 7]]
+
+
+def _draft(path, k=3):
+    return {"model": str(path), "num_speculative_tokens": k}
+
+
+def test_config_parses_and_rejects():
+    cfg = SpeculativeConfig.parse({"model": "/some/dir", "num_speculative_tokens": 3})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/some/dir", 3)
+    with pytest.raises(ValueError, match="needs 'model'"):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="apply to method 'ngram'"):
+        SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="does not go with"):
+        SpeculativeConfig.parse({"method": "ngram", "model": "/d", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 0})
+
+
+def test_the_target_as_its_own_draft_is_accepted(tiny_checkpoints):
+    path, hf_model = tiny_checkpoints("llama")
+    prompts = _prompts()
+    llm = LLM(str(path), speculative_config=_draft(path), **KW)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 24) for p in prompts]
+    stats = llm.stats()
+    # the same weights in float32: the draft's argmax is the target's but at float near-ties
+    assert stats["spec_acceptance_rate"] > 0.9 and stats["spec_mean_tokens_per_step"] > 2.5
+    assert stats["kv_blocks_free"] == 96
+    drafter = llm.engine.drafter
+    assert drafter.num_free_blocks == drafter.cache.num_blocks and not drafter._slots
+    # an aborted request returns its draft blocks too
+    engine = llm.engine
+    engine.add_request("gone", prompts[1], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert drafter.num_free_blocks < drafter.cache.num_blocks
+    engine.abort_request("gone")
+    assert drafter.num_free_blocks == drafter.cache.num_blocks and llm.stats()["kv_blocks_free"] == 96
+
+
+def test_another_model_drafts_and_outputs_stay_the_targets(tiny_checkpoints):
+    """A different model (mistral-shaped, other weights) as the draft; preemption (a small
+    pool), n=2 forks, a stop token, and max_tokens that cut accepted drafts."""
+    path, hf_model = tiny_checkpoints("llama")
+    draft_path, _ = tiny_checkpoints("mistral")
+    prompts = _prompts()
+    llm = LLM(str(path), speculative_config=_draft(draft_path, 4), max_num_seqs=3, max_model_len=256, block_size=8,
+              num_blocks=16, max_num_batched_tokens=32, warmup=False)
+    want = [hf_greedy(hf_model, p, 30) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_draft_tokens"] > 0
+    two = llm.generate([prompts[0]], SamplingParams(max_tokens=12, n=2, ignore_eos=True), use_tqdm=False)[0]
+    assert [o.token_ids for o in two.outputs] == [want[0][:12]] * 2
+    stop = want[0][7]
+    cut = llm.generate([prompts[0]], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.token_ids == want[0][:want[0].index(stop) + 1] and cut.finish_reason == "stop"
+    for m in (1, 2, 5):
+        o = llm.generate([prompts[1]], SamplingParams(max_tokens=m, ignore_eos=True), use_tqdm=False)[0]
+        assert o.outputs[0].token_ids == want[1][:m]
+    assert llm.stats()["kv_blocks_free"] == 16
+    drafter = llm.engine.drafter
+    assert drafter.num_free_blocks == drafter.cache.num_blocks
+
+
+def test_warmup_compiles_the_draft_steps_and_nothing_after(tiny_checkpoints):
+    path, _ = tiny_checkpoints("llama")
+    llm = LLM(str(path), speculative_config=_draft(path, 2), **{**KW, "warmup": True})
+    llm.wait_for_warmup()
+    drafter = llm.engine.drafter
+    compiled = drafter._step._cache_size()
+    assert compiled == len(drafter.buckets.token_buckets())
+    llm.generate(_prompts(), SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert drafter._step._cache_size() == compiled
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoints, tmp_path):
+    import transformers
+
+    path, _ = tiny_checkpoints("llama")
+    config_cls, model_cls, extra = FAMILIES["llama"]
+    cfg = getattr(transformers, config_cls)(**{**COMMON, "vocab_size": 400}, **extra)
+    getattr(transformers, model_cls)(cfg).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(path), speculative_config=_draft(tmp_path), **KW)
