@@ -70,10 +70,14 @@ def test_greedy_outputs_are_identical_with_and_without_speculation(family, tiny_
             assert list(da.values()) == pytest.approx(list(db.values()), abs=1e-4)
 
 
-def test_speculation_with_preemption_forks_stops_and_max_tokens(tiny_checkpoints):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_speculation_with_preemption_forks_stops_and_max_tokens(proposer, tiny_checkpoints):
+    """Prompt lookup, and a draft model (the target as its own draft: drafts are accepted, so
+    stops and max_tokens land inside accepted runs; test_draft_model.py has the rest)."""
     path, hf_model = tiny_checkpoints("llama")
     prompts = _prompts()
-    llm = LLM(str(path), speculative_config=SPEC, max_num_seqs=6, max_model_len=256, block_size=8, num_blocks=20,
+    spec = SPEC if proposer == "ngram" else {"model": str(path), "num_speculative_tokens": 4}
+    llm = LLM(str(path), speculative_config=spec, max_num_seqs=6, max_model_len=256, block_size=8, num_blocks=20,
               max_num_batched_tokens=32, warmup=False)
     want = [hf_greedy(hf_model, p, 30) for p in prompts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
@@ -91,6 +95,8 @@ def test_speculation_with_preemption_forks_stops_and_max_tokens(tiny_checkpoints
         o = llm.generate([prompts[0]], SamplingParams(max_tokens=m, ignore_eos=True), use_tqdm=False)[0]
         assert o.outputs[0].token_ids == want[0][:m]
     assert llm.stats()["kv_blocks_free"] == 20
+    drafter = llm.engine.drafter
+    assert drafter is None or drafter.num_free_blocks == drafter.cache.num_blocks
 
 
 def test_verification_keeps_the_target_distribution():
