@@ -38,7 +38,10 @@ class DraftModelProposer:
 
     def __init__(self, model: str, *, dtype: str, kv_cache_dtype: str, vocab_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, num_blocks: int, attention_impl: str = "auto"):
-        draft, cfg, _ = load_model(model, dtype)
+        try:
+            draft, cfg, _ = load_model(model, dtype)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"speculative_config: the draft model: {e}") from e
         if cfg.vocab_size != vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) differs "
                              f"from the target's ({vocab_size}); a draft model must share the target's tokenizer")
