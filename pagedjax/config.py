@@ -66,12 +66,14 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048
 
-    def default_num_blocks(self, bytes_per_block: int, weight_bytes: int, block_size: int | None = None) -> int:
+    def default_num_blocks(self, bytes_per_block: int, weight_bytes: int, block_size: int | None = None,
+                           reserved_bytes: int = 0) -> int:
         """Blocks that fit the KV budget, capped at what max_num_seqs full-length requests need.
 
         block_size defaults to self.block_size; the dense backend passes max_model_len (a block
         is one request's slot), so the same budget gives its number of slots. weight_bytes:
-        what one device holds of the weights.
+        what one device holds of the weights. reserved_bytes: taken from the budget first (a
+        draft model's pool beyond its share per block).
         """
         import jax
 
@@ -84,5 +86,10 @@ class EngineConfig:
             stats = jax.devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0) - weight_bytes
             budget = int(max(free, 0) * ACCELERATOR_KV_FRACTION) * self.tensor_parallel_size
+        if reserved_bytes >= budget:
+            raise ValueError(f"the KV budget ({budget} bytes) does not hold the draft model's fixed share "
+                             f"({reserved_bytes} bytes: k + 1 tokens and a block per sequence); raise "
+                             "kv_cache_memory_gb or lower max_num_seqs")
+        budget -= reserved_bytes
         per_seq = -(-self.max_model_len // (block_size or self.block_size))
         return max(1, min(budget // bytes_per_block, self.max_num_seqs * per_seq))

@@ -16,6 +16,9 @@ and keeps the longest prefix the request still agrees with.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,30 +32,50 @@ from pagedjax.buckets import Buckets
 DRAFT_BLOCK_SIZE = 16
 
 
+@dataclass(frozen=True)
+class DraftModel:
+    """A loaded draft: the model, its config and its KV cache dtype."""
+
+    model: object  # models.llama.CausalLM
+    config: object  # models.config.ModelConfig
+    kv_dtype: object
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.config.num_layers * self.model.num_kv_heads * self.config.head_dim * self.kv_dtype.itemsize
+
+
+def load_draft_model(path: str, *, dtype: str, kv_cache_dtype: str, vocab_size: int, max_model_len: int) -> DraftModel:
+    """Loads the draft checkpoint (one device) and checks it against the target: the same
+    vocabulary (vocab_size, the target's) and room for max_model_len positions."""
+    if not Path(path).expanduser().is_dir():
+        raise FileNotFoundError(f"speculative_config: the draft model directory {path!r} does not exist "
+                                "(a local Hugging Face checkpoint with the target's tokenizer)")
+    draft, cfg, _ = load_model(path, dtype)
+    if cfg.vocab_size != vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) differs "
+                         f"from the target's ({vocab_size}); a draft model must share the target's tokenizer")
+    limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    if max_model_len > limit:
+        raise ValueError(f"speculative_config: the draft model supports {limit} positions, fewer than "
+                         f"max_model_len={max_model_len}; lower max_model_len or pick another draft")
+    return DraftModel(draft, cfg, resolve_kv_cache_dtype(kv_cache_dtype, draft.dtype))
+
+
 class DraftModelProposer:
-    """Greedy drafts from `model` (a local HF dir) for up to `max_num_seqs` running requests.
+    """Greedy drafts from a loaded draft model for up to `max_num_seqs` running requests.
+    num_blocks: the draft pool's size in blocks of DRAFT_BLOCK_SIZE tokens (the engine sizes
+    it like the target's pool in tokens, plus k + 1 per sequence)."""
 
-    vocab_size: the target's (the draft must match it). num_blocks: the draft pool's size in
-    blocks of DRAFT_BLOCK_SIZE tokens (the engine sizes it like the target's pool in tokens,
-    plus k drafts per sequence)."""
-
-    def __init__(self, model: str, *, dtype: str, kv_cache_dtype: str, vocab_size: int, max_num_seqs: int,
-                 max_model_len: int, max_num_batched_tokens: int, num_blocks: int, attention_impl: str = "auto"):
-        try:
-            draft, cfg, _ = load_model(model, dtype)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"speculative_config: the draft model: {e}") from e
-        if cfg.vocab_size != vocab_size:
-            raise ValueError(f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) differs "
-                             f"from the target's ({vocab_size}); a draft model must share the target's tokenizer")
-        self.config = cfg
-        self.graphdef, self.state = nnx.split(draft)
+    def __init__(self, draft: DraftModel, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 num_blocks: int, attention_impl: str = "auto"):
+        cfg = self.config = draft.config
+        self.graphdef, self.state = nnx.split(draft.model)
         self.buckets = Buckets(max_num_seqs, max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // DRAFT_BLOCK_SIZE)  # MB: table width
         self.cache = PagedKVCache(num_blocks, DRAFT_BLOCK_SIZE, attention_impl)
-        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, draft.dtype)
-        self.kv = init_kv_cache(self.cache, cfg.num_layers, draft.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.kv = init_kv_cache(self.cache, cfg.num_layers, draft.model.num_kv_heads, cfg.head_dim, draft.kv_dtype)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes the lowest
         self._slots: dict[int, _Slot] = {}  # id(request) -> its slot
         self._rows = self.buckets.num_seqs(self.buckets.max_num_batched_tokens)  # padded width of `next`
@@ -91,6 +114,8 @@ class DraftModelProposer:
             if n <= 0 or slot is None or not slot.keep(tokens) or not self._reserve(slot, len(tokens) + n - 1):
                 continue
             live.append((i, slot, tokens, n))
+            if len(live) == self._rows:  # a step's rows (the engine sizes them for every sequence)
+                break
         if not live:
             return drafts
         first = self._catch_up(live)  # [len(live)] the first draft of each

@@ -90,13 +90,26 @@ class LLMEngine:
         dense = cfg.kv_cache == "dense"
         block_size = cfg.max_model_len if dense else cfg.block_size
         weight_bytes = max(bytes_per_device(nnx.state(self.model)).values())  # one device's share
+        spec = cfg.speculative_config
+        k = spec.num_speculative_tokens if spec else 0
+        draft, draft_token_bytes = None, 0  # a draft model: it and its KV pool share the budget
+        if spec is not None and spec.method == "draft_model":
+            from pagedjax import draft_model
+
+            draft = draft_model.load_draft_model(spec.model, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                                                 vocab_size=mc.vocab_size, max_model_len=cfg.max_model_len)
+            # its pool holds every rank's tokens (plus k + 1 and a block per sequence: reserved below)
+            draft_token_bytes = draft.kv_bytes_per_token * cfg.data_parallel_size
+            weight_bytes += max(bytes_per_device(nnx.state(draft.model)).values())
         if cfg.num_blocks is None:
             # the penalty slots (counts int32, prompt flags, bias f32 per vocabulary entry) sit beside the pool
             penalty_bytes = cfg.max_num_seqs * mc.vocab_size * 9
-            cfg.num_blocks = cfg.default_num_blocks(self.kv_bytes_per_token * block_size, weight_bytes + penalty_bytes,
-                                                    block_size)
-        self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None
-                                 else int(cfg.kv_cache_memory_gb * (1 << 30)) // self.kv_bytes_per_token)
+            bs = draft_model.DRAFT_BLOCK_SIZE  # the draft's k + 1 per sequence, its blocks' rounding
+            reserved = draft_token_bytes * (cfg.max_num_seqs * (k + 1 + bs) + bs) if draft else 0
+            cfg.num_blocks = cfg.default_num_blocks((self.kv_bytes_per_token + draft_token_bytes) * block_size,
+                                                    weight_bytes + penalty_bytes, block_size, reserved)
+        self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None else
+                                 int(cfg.kv_cache_memory_gb * (1 << 30)) // (self.kv_bytes_per_token + draft_token_bytes))
         max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
         self.spec = cfg.speculative_config  # SpeculativeConfig or None
         # a step verifies at most k drafts for each of up to 16 requests (sampled rows beyond one per sequence)
@@ -115,16 +128,15 @@ class LLMEngine:
         max_blocks = -(-cfg.max_model_len // block_size)
         self.runner = ModelRunner(self.model, self.buckets, cache, max_blocks, kv_dtype, self.mesh)
         self.drafter = None  # speculative decoding with a draft model
-        if self.spec is not None and self.spec.method == "draft_model":
-            from pagedjax.draft_model import DRAFT_BLOCK_SIZE, DraftModelProposer
-
-            # room for every token the target's pools hold, plus k drafts for each sequence
+        if draft is not None:
+            # room for every token the target's pools hold plus k + 1 for each sequence; a step of
+            # the draft fits every sequence of every rank
             seqs = max_seqs * cfg.data_parallel_size
-            tokens = cfg.num_blocks * block_size * cfg.data_parallel_size + seqs * (self.spec.num_speculative_tokens + 1)
-            self.drafter = DraftModelProposer(
-                self.spec.model, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, vocab_size=mc.vocab_size,
-                max_num_seqs=seqs, max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                num_blocks=-(-tokens // DRAFT_BLOCK_SIZE) + seqs, attention_impl=cfg.attention_impl)
+            tokens = cfg.num_blocks * block_size * cfg.data_parallel_size + seqs * (k + 1)
+            self.drafter = draft_model.DraftModelProposer(
+                draft, max_num_seqs=seqs, max_model_len=cfg.max_model_len,
+                max_num_batched_tokens=max(cfg.max_num_batched_tokens, seqs),
+                num_blocks=-(-tokens // draft_model.DRAFT_BLOCK_SIZE) + seqs, attention_impl=cfg.attention_impl)
         # read once from the arrays' shards (their placement never changes)
         self.weight_bytes_per_device = bytes_per_device(self.runner.state)
         self.kv_pool_bytes_per_device = bytes_per_device(self.runner.kv)

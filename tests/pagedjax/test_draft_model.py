@@ -90,5 +90,16 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoints, tmp_path):
     getattr(transformers, model_cls)(cfg).save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(path), speculative_config=_draft(tmp_path), **KW)
-    with pytest.raises(FileNotFoundError, match="the draft model: model directory"):
+    with pytest.raises(FileNotFoundError, match="the draft model directory"):
         LLM(str(path), speculative_config=_draft(tmp_path / "missing"), **KW)
+
+
+def test_the_draft_pool_shares_the_kv_budget(tiny_checkpoints):
+    path, _ = tiny_checkpoints("llama")
+    budget_gb = 0.5 / 1024  # 512 KiB for both pools (a full-length pool for 4 requests would need 1 MiB)
+    kw = dict(max_num_seqs=4, max_model_len=256, block_size=8, max_num_batched_tokens=64, warmup=False)
+    llm = LLM(str(path), speculative_config=_draft(path), kv_cache_memory_gb=budget_gb, **kw)
+    pools = sum(llm.engine.kv_pool_bytes_per_device.values()) + sum(x.nbytes for x in llm.engine.drafter.kv)
+    assert 0.8 * budget_gb * (1 << 30) < pools <= budget_gb * (1 << 30)
+    with pytest.raises(ValueError, match="draft model's fixed share"):
+        LLM(str(path), speculative_config=_draft(path), kv_cache_memory_gb=1 / (1 << 20), **kw)

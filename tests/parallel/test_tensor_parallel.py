@@ -134,3 +134,8 @@ def test_preemption_under_tp2_gives_the_same_outputs(results):
     one, two = results["preempt_tp1"], results["preempt_tp2"]
     assert one["preemptions"] > 0 and two["preemptions"] == one["preemptions"]
     assert two["tokens"] == one["tokens"]
+
+
+def test_draft_model_under_data_parallel_takes_every_rank(results):
+    case = results["draft_dp2"]
+    assert case["draft"] == case["plain"] and case["accepted"] > 0 and case["pools_whole"]

@@ -123,6 +123,21 @@ def main(out_dir: Path) -> dict:
         case["compilations_after_warmup"] = llm.stats()["num_compilations"] - before
         case["memory"] = memory(llm)
         del llm
+    # a draft model under data parallelism: more requests decode at once (2 ranks x 16) than one
+    # step of max_num_batched_tokens holds; the draft's steps must take them all
+    many = dict(ENGINE, max_num_seqs=16, max_num_batched_tokens=16, num_blocks=200, data_parallel_size=2)
+    prompts = [[(7 * i + j) % 300 + 2 for j in range(3 + i % 5)] for i in range(32)]
+    draft_case = res["draft_dp2"] = {}
+    for label, spec in (("plain", None), ("draft", {"model": llama, "num_speculative_tokens": 3})):
+        llm = LLM(llama, speculative_config=spec, **many)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        draft_case[label] = [list(o.outputs[0].token_ids) for o in outs]
+        if spec:
+            drafter = llm.engine.drafter
+            draft_case["accepted"] = llm.stats()["spec_accepted_tokens"]
+            draft_case["pools_whole"] = (drafter.num_free_blocks == drafter.cache.num_blocks and all(
+                r["kv_blocks_free"] == r["kv_blocks_total"] for r in llm.stats()["data_parallel_ranks"]))
+        del llm
     errors = {}
     for label, kwargs in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16)}.items():
         try:
