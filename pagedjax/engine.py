@@ -104,8 +104,10 @@ class LLMEngine:
         if cfg.num_blocks is None:
             # the penalty slots (counts int32, prompt flags, bias f32 per vocabulary entry) sit beside the pool
             penalty_bytes = cfg.max_num_seqs * mc.vocab_size * 9
-            bs = draft_model.DRAFT_BLOCK_SIZE  # the draft's k + 1 per sequence, its blocks' rounding
-            reserved = draft_token_bytes * (cfg.max_num_seqs * (k + 1 + bs) + bs) if draft else 0
+            reserved = 0  # the draft's k + 1 tokens and a block per sequence, and its blocks' rounding
+            if draft is not None:
+                bs = draft_model.DRAFT_BLOCK_SIZE
+                reserved = draft_token_bytes * (cfg.max_num_seqs * (k + 1 + bs) + bs)
             cfg.num_blocks = cfg.default_num_blocks((self.kv_bytes_per_token + draft_token_bytes) * block_size,
                                                     weight_bytes + penalty_bytes, block_size, reserved)
         self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None else
