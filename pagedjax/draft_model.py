@@ -11,8 +11,8 @@ deterministic proposal, which the verifier's accept-or-redraw rule allows).
 The draft keeps its own paged KV pool and block tables: a slot per running request, whose
 blocks are taken from the pool as its tokens grow and all returned when the request stops
 running (a preempted request reads its tokens again when it comes back). After verification
-the KV of rejected drafts is simply not counted: a slot remembers which tokens its KV holds
-and keeps the longest prefix the request still agrees with.
+the KV of rejected drafts is simply not counted: a slot keeps the positions the request
+still agrees with (all but its last token; see _Slot.keep).
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class DraftModelProposer:
 
     def __init__(self, draft: DraftModel, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                  num_blocks: int, attention_impl: str = "auto"):
-        cfg = self.config = draft.config
+        cfg = draft.config
         self.graphdef, self.state = nnx.split(draft.model)
         self.buckets = Buckets(max_num_seqs, max_num_batched_tokens)
         self.max_model_len = max_model_len
@@ -82,7 +82,7 @@ class DraftModelProposer:
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._device = jax.tree.leaves(self.state)[0].sharding  # the draft runs where its weights are
         self.kv = jax.device_put(self.kv, self._device)  # placed as the step returns it: one compile per T
-        self.num_forward_steps = 0
+        self._no_prev = jax.device_put(np.zeros(self._rows, np.int32), self._device)  # a step that reads no drafts
 
     # -- device ---------------------------------------------------------------------------
     def _forward(self, state, kv, tokens, from_prev, prev, md: AttentionMetadata, last):
@@ -111,17 +111,17 @@ class DraftModelProposer:
             tokens = req.all_token_ids
             n = min(k, self.max_model_len - len(tokens))  # drafts at positions < max_model_len
             slot = self._slot(req)
-            if n <= 0 or slot is None or not slot.keep(tokens) or not self._reserve(slot, len(tokens) + n - 1):
+            slot.keep(tokens)
+            if n <= 0 or not self._reserve(slot, len(tokens) + n - 1):
                 continue
             live.append((i, slot, tokens, n))
             if len(live) == self._rows:  # a step's rows (the engine sizes them for every sequence)
                 break
         if not live:
             return drafts
-        first = self._catch_up(live)  # [len(live)] the first draft of each
-        for (i, _, _, _), d in zip(live, first):
+        for (i, *_), d in zip(live, self._catch_up(live)):  # the first draft of each
             drafts[i].append(d)
-        self._decode(live, first, drafts)
+        self._decode(live, drafts)
         return drafts
 
     def _catch_up(self, live) -> list[int]:
@@ -140,47 +140,43 @@ class DraftModelProposer:
                 rows.append((j, slot, chunk))
                 room -= len(chunk)
             t = self.buckets.token_bucket(sum(len(c) for _, _, c in rows))
-            nxt = self._run([(slot, chunk) for _, slot, chunk in rows], t)
-            done = []
+            values = np.asarray(self._run([(slot, slot.length, chunk) for _, slot, chunk in rows], t))
+            finished = set()
             for r, (j, slot, chunk) in enumerate(rows):
-                slot.seen.extend(chunk)
+                slot.length += len(chunk)
                 if slot.length == len(live[j][2]):
-                    done.append((r, j))
-            values = np.asarray(nxt)
-            for r, j in done:
-                first[j] = int(values[r])
-            finished = {j for _, j in done}
+                    first[j] = int(values[r])
+                    finished.add(j)
             todo = [j for j in todo if j not in finished]
         return first
 
-    def _decode(self, live, first: list[int], drafts: list[list[int]]) -> None:
+    def _decode(self, live, drafts: list[list[int]]) -> None:
         """Drafts 2..n: one decode step per draft over the requests still drafting, each fed
-        its previous draft on the device; one transfer at the end."""
-        prev = self._on_device(np.pad(np.asarray(first, np.int32), (0, self._rows - len(first))))
+        its previous draft on the device; one transfer at the end. drafts[i] holds the first."""
+        first = [drafts[i][0] for i, *_ in live]
+        prev = jax.device_put(np.pad(np.asarray(first, np.int32), (0, self._rows - len(first))), self._device)
         outs, rows = [], list(range(len(live)))  # rows: indices into live, this step's row order
         for step in range(1, max(n for *_, n in live)):
             rows_next = [j for j in rows if live[j][3] > step]
             if not rows_next:
                 break
             order = {j: r for r, j in enumerate(rows)}  # where each request's last draft sits in prev
-            feed = [(live[j][1], [None]) for j in rows_next]
-            t = self.buckets.token_bucket(len(feed))
+            t = self.buckets.token_bucket(len(rows_next))
             from_prev = np.full(t, -1, np.int32)
             from_prev[:len(rows_next)] = [order[j] for j in rows_next]
+            feed = [(live[j][1], live[j][1].length, [0]) for j in rows_next]  # the draft, after the slot's tokens
             prev = self._run(feed, t, from_prev, prev)
-            for j in rows_next:  # the fed draft is now in the slot's KV (its id is filled in below)
-                live[j][1].seen.append(None)
+            for j in rows_next:
+                live[j][1].length += 1
             outs.append((rows_next, prev))
             rows = rows_next
-        for rows_step, values in zip(outs, jax.device_get([o for _, o in outs])):
-            for r, j in enumerate(rows_step[0]):
-                i, slot = live[j][0], live[j][1]
-                slot.seen[len(live[j][2]) + len(drafts[i]) - 1] = drafts[i][-1]
-                drafts[i].append(int(values[r]))
+        for (rows_step, _), values in zip(outs, jax.device_get([o for _, o in outs])):
+            for r, j in enumerate(rows_step):
+                drafts[live[j][0]].append(int(values[r]))
 
-    def _run(self, rows: list[tuple["_Slot", list]], t: int, from_prev=None, prev=None):
-        """One packed step of T = t tokens: rows (slot, tokens to feed at its next positions;
-        None: fed from prev). Returns next [R] on the device."""
+    def _run(self, rows: list[tuple["_Slot", int, list[int]]], t: int, from_prev=None, prev=None):
+        """One packed step of T = t tokens: rows (slot, first position, tokens fed there; where
+        from_prev >= 0 the token comes from prev instead). Returns next [R] on the device."""
         s = self.buckets.num_seqs(t)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -190,14 +186,14 @@ class DraftModelProposer:
         cu = np.zeros(s + 1, np.int32)
         last = np.zeros(s, np.int32)
         at = 0
-        for r, (slot, chunk) in enumerate(rows):
-            pos = np.arange(slot.length, slot.length + len(chunk))
-            tokens[at:at + len(chunk)] = [0 if x is None else x for x in chunk]
+        for r, (slot, start, chunk) in enumerate(rows):
+            pos = np.arange(start, start + len(chunk))
+            tokens[at:at + len(chunk)] = chunk
             positions[at:at + len(chunk)] = pos
             blocks = np.asarray(slot.blocks, np.int32)
             slots[at:at + len(chunk)] = blocks[pos // DRAFT_BLOCK_SIZE] * DRAFT_BLOCK_SIZE + pos % DRAFT_BLOCK_SIZE
             tables[r, :len(blocks)] = blocks
-            kv_lens[r] = slot.length + len(chunk)
+            kv_lens[r] = start + len(chunk)
             at += len(chunk)
             cu[r + 1] = at
             last[r] = at - 1
@@ -205,18 +201,12 @@ class DraftModelProposer:
         md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
         if from_prev is None:
             from_prev = np.full(t, -1, np.int32)
-        if prev is None:
-            prev = self._on_device(np.zeros(self._rows, np.int32))
-        self.kv, nxt = self._step(self.state, self.kv, tokens, from_prev, prev, md, last)
-        self.num_forward_steps += 1
+        self.kv, nxt = self._step(self.state, self.kv, tokens, from_prev, self._no_prev if prev is None else prev,
+                                  md, last)
         return nxt
 
-    def _on_device(self, x: np.ndarray) -> jax.Array:
-        """x placed as the step's own outputs are (one compiled step serves both)."""
-        return jax.device_put(x, self._device)
-
     # -- slots ----------------------------------------------------------------------------
-    def _slot(self, req) -> "_Slot | None":
+    def _slot(self, req) -> "_Slot":
         slot = self._slots.get(id(req))
         if slot is None or slot.request is not req:
             if slot is not None:
@@ -250,22 +240,17 @@ class DraftModelProposer:
 
 
 class _Slot:
-    """A request's place in the draft pool: its blocks and the tokens whose KV they hold."""
+    """A request's place in the draft pool: its blocks, and how many of its positions hold KV
+    (its tokens, then the drafts fed in its last proposal)."""
 
     def __init__(self, request):
         self.request = request  # kept so that id() stays unique while the slot lives
         self.blocks: list[int] = []
-        self.seen: list[int] = []
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return len(self.seen)
-
-    def keep(self, tokens: list[int]) -> bool:
-        """Drops what the request no longer agrees with (rejected drafts) and always its last
-        token (the drafts start from its logits); False if nothing is left to feed."""
-        n = min(len(self.seen), len(tokens) - 1)
-        a, b = np.asarray(self.seen[:n]), np.asarray(tokens[:n])
-        bad = np.flatnonzero(a != b)
-        del self.seen[int(bad[0]) if len(bad) else n:]
-        return len(tokens) > 0
+    def keep(self, tokens: list[int]) -> None:
+        """Drops the drafts the request did not accept, and always its last token (the drafts
+        start from its logits). The accepted drafts are a prefix of the drafts fed, and the
+        token after them (the bonus, or the redraw at the first rejected draft) is the
+        request's last, so the slot still agrees with the request's first len - 1 tokens."""
+        self.length = min(self.length, len(tokens) - 1)

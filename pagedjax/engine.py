@@ -113,7 +113,7 @@ class LLMEngine:
         self.kv_budget_tokens = (None if cfg.kv_cache_memory_gb is None else
                                  int(cfg.kv_cache_memory_gb * (1 << 30)) // (self.kv_bytes_per_token + draft_token_bytes))
         max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
-        self.spec = cfg.speculative_config  # SpeculativeConfig or None
+        self.spec = spec  # SpeculativeConfig or None
         # a step verifies at most k drafts for each of up to 16 requests (sampled rows beyond one per sequence)
         max_drafts = self.spec.num_speculative_tokens * min(max_seqs, 16) if self.spec else 0
         self.buckets = Buckets(max_seqs, cfg.max_num_batched_tokens, max_drafts)

@@ -50,6 +50,9 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config needs num_speculative_tokens")
         k = config["num_speculative_tokens"]
+        _check_positive("num_speculative_tokens", k)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
         if method == "draft_model":
             model = config.get("model")
             if not isinstance(model, str) or not model:
@@ -57,22 +60,21 @@ class SpeculativeConfig:
             lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(config))
             if lookup:
                 raise ValueError(f"speculative_config: {lookup} apply to method 'ngram', not to a draft model")
-            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-                raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
-                                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
             return cls(k, method="draft_model", model=model)
         if config.get("model") is not None:
             raise ValueError(f"speculative_config: 'model' (a draft model) does not go with method {method!r}")
         lo = config.get("prompt_lookup_min", min(2, config.get("prompt_lookup_max", 4)))
         hi = config.get("prompt_lookup_max", max(4, lo))
-        for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
-        if k > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
+        _check_positive("prompt_lookup_min", lo)
+        _check_positive("prompt_lookup_max", hi)
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
         return cls(k, lo, hi, "ngram")
+
+
+def _check_positive(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
 
 
 def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

@@ -103,3 +103,31 @@ def test_the_draft_pool_shares_the_kv_budget(tiny_checkpoints):
     assert 0.8 * budget_gb * (1 << 30) < pools <= budget_gb * (1 << 30)
     with pytest.raises(ValueError, match="draft model's fixed share"):
         LLM(str(path), speculative_config=_draft(path), kv_cache_memory_gb=1 / (1 << 20), **kw)
+
+
+def test_drafts_are_those_of_a_draft_reading_everything_again(tiny_checkpoints):
+    """The slot bookkeeping (rejected drafts dropped, only new tokens read): each step's drafts
+    equal those of a fresh proposer that reads every token of every request again; sampled,
+    so that drafts are rejected."""
+    from pagedjax.draft_model import DraftModelProposer, load_draft_model
+
+    path, _ = tiny_checkpoints("llama")
+    draft_path = path  # the target as its draft: at temperature 1 some drafts are accepted, some not
+    llm = LLM(str(path), speculative_config=_draft(draft_path, 4), **{**KW, "max_num_batched_tokens": 32})
+    drafter = llm.engine.drafter
+    draft = load_draft_model(str(draft_path), dtype="float32", kv_cache_dtype="auto", vocab_size=384, max_model_len=256)
+    fresh = DraftModelProposer(draft, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32,
+                               num_blocks=drafter.cache.num_blocks)
+    incremental, compared = drafter.propose, []
+
+    def propose(requests, k, running):
+        out = incremental(requests, k, running)
+        compared.append(out == fresh.propose(requests, k, set()))  # set(): every slot freed first
+        return out
+
+    drafter.propose = propose
+    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=0, ignore_eos=True)
+    llm.generate(_prompts(), sp, use_tqdm=False)
+    stats = llm.stats()
+    assert len(compared) > 20 and all(compared)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # some drafts were rejected
