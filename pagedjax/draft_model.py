@@ -28,6 +28,7 @@ from models.dtypes import resolve_kv_cache_dtype
 from models.kv_cache import AttentionMetadata, PagedKVCache, init_kv_cache
 from models.loader import load_model
 from pagedjax.buckets import Buckets
+from pagedjax.sampler import argmax
 
 DRAFT_BLOCK_SIZE = 16
 
@@ -92,7 +93,7 @@ class DraftModelProposer:
         model = nnx.merge(self.graphdef, state)
         tokens = jnp.where(from_prev >= 0, prev[jnp.maximum(from_prev, 0)], tokens)
         hidden, kv = model(tokens, md, kv, self.cache)  # [T, E]
-        nxt = jnp.argmax(model.logits(hidden[last]), axis=-1).astype(jnp.int32)  # [S]
+        nxt = argmax(model.logits(hidden[last]))  # [S]
         return kv, jnp.pad(nxt, (0, self._rows - nxt.shape[0]))
 
     def warmup(self) -> None:

@@ -49,12 +49,23 @@ class SamplerOutput:
     resampled: jax.Array | None = None  # [S] int32: the token to emit where the draft is rejected
 
 
+ARGMAX_BLOCK = 1024  # argmax reads each row once as blocks of this many logits
+
+
 def argmax(x):
-    """x [S, V] -> [S] int32, the first index of each row's maximum (as jnp.argmax; this
-    two-pass form is ~5x faster on XLA:CPU for a [16, 49152] row block)."""
-    m = jnp.max(x, axis=-1, keepdims=True)
-    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.min(jnp.where(x == m, ids, x.shape[-1]), axis=-1)
+    """x [S, V] -> [S] int32, the first index of each row's maximum (as jnp.argmax). Each
+    block of logits gives its maximum (one pass over x), then only the first block holding
+    the row's maximum is searched: on XLA:CPU ~2x faster than a max-then-compare form, which
+    materializes [S, V] twice (~4 ms at 32 rows of a 49152 vocabulary, inside the sampler)."""
+    s, v = x.shape
+    c = next((c for c in (ARGMAX_BLOCK, 512, 256, 128) if v % c == 0 and v > c), None)
+    if c is None:  # a vocabulary without such blocks (small test models)
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = x.reshape(s, v // c, c)
+    block_max = jnp.max(blocks, axis=-1)  # [S, V / c]
+    first = jnp.argmax(block_max == jnp.max(block_max, axis=-1, keepdims=True), axis=-1)  # [S]
+    within = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # [S, c]
+    return (first * c + jnp.argmax(within, axis=-1)).astype(jnp.int32)
 
 
 TOP_CANDIDATES = 512  # the filters look at each row's largest logits first; a full sort only when the cut lies beyond
@@ -114,15 +125,20 @@ def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int
     """One step's sampling with every logit processor: logits [S, V] float32, bitmask
     [S, W] -> (state with the kept tokens counted, SamplerOutput). Each processor runs only
     when some row of the step uses it."""
-    penalized = jnp.any(p.penalty_slot >= 0)
-    x = jax.lax.cond(penalized,
-                     lambda: apply_penalties(logits, state, p.penalty_slot, p.repetition, p.frequency,
-                                             p.presence, dp),
-                     lambda: logits)
-    x = jax.lax.cond(jnp.any(p.constrained), lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
-    out = sample(logits, p, processed=x)
+    penalized, constrained = jnp.any(p.penalty_slot >= 0), jnp.any(p.constrained)
+
+    def processed():  # [S, V]: the logits tokens are drawn from (built only inside the branches that draw)
+        x = jax.lax.cond(penalized,
+                         lambda: apply_penalties(logits, state, p.penalty_slot, p.repetition, p.frequency,
+                                                 p.presence, dp),
+                         lambda: logits)
+        return jax.lax.cond(constrained, lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
+
+    # [S]: sampling and verification share it; a greedy step with no processor copies no logits
+    greedy = jax.lax.cond(penalized | constrained, lambda: argmax(processed()), lambda: argmax(logits))
+    out = sample(logits, p, processed=processed, greedy=greedy)
     if p.draft_next is not None:
-        accepted, resampled = jax.lax.cond(jnp.any(p.draft_next >= 0), lambda: verify_drafts(x, p),
+        accepted, resampled = jax.lax.cond(jnp.any(p.draft_next >= 0), lambda: verify_drafts(processed, p, greedy),
                                            lambda: (jnp.zeros_like(p.constrained), out.tokens))
         # the token each row emits: its draft if accepted, else the redraw; the bonus row its sample
         emitted = jnp.where(p.draft_next >= 0, jnp.where(accepted, p.draft_next, resampled), out.tokens)
@@ -136,23 +152,30 @@ def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int
     return state, out
 
 
+def _value(x):
+    """An array, or the array a function computes (built where it is called: inside a cond
+    branch, only when that branch runs)."""
+    return x() if callable(x) else x
+
+
 def _keys(p: SamplingInputs, salt: int):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), salt))(p.seed, p.step)
 
 
-def verify_drafts(x0, p: SamplingInputs):
+def verify_drafts(x0, p: SamplingInputs, greedy=None):
     """Speculative verification, rows with a draft (p.draft_next >= 0): x0 [S, V] the
-    processed logits -> (accepted [S] bool, resampled [S] int32). Greedy rows accept the
+    processed logits, or a function computing them (greedy [S]: their argmax, when already
+    known) -> (accepted [S] bool, resampled [S] int32). Greedy rows accept the
     draft when it is the argmax (else the argmax is emitted); sampled rows accept it with the
     target probability of the draft (after temperature and filters) and otherwise draw from
     the target distribution without the draft: the emitted token is distributed exactly as
     the target model's (rejection sampling with a point-mass proposal)."""
     has = p.draft_next >= 0
     d = jnp.maximum(p.draft_next, 0)
-    greedy = argmax(x0)
+    greedy = argmax(_value(x0)) if greedy is None else greedy
 
     def sampled():
-        x = _filtered_logits(x0, p)
+        x = _filtered_logits(_value(x0), p)
         p_draft = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), d[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(_keys(p, 1))
         without = jnp.where(jnp.arange(x.shape[-1])[None, :] == d[:, None], -jnp.inf, x)
@@ -164,15 +187,16 @@ def verify_drafts(x0, p: SamplingInputs):
     return accepted & has, resampled
 
 
-def sample(logits, p: SamplingInputs, processed=None) -> SamplerOutput:
+def sample(logits, p: SamplingInputs, processed=None, greedy=None) -> SamplerOutput:
     """logits [S, V] float32 -> sampled tokens and log-probabilities. processed: the logits
-    after bias, penalties and masks (default: logits), which tokens are drawn from;
-    log-probabilities always come from the raw logits."""
+    after bias, penalties and masks (default: logits), or a function computing them, which
+    tokens are drawn from (greedy [S]: their argmax, when already known); log-probabilities
+    always come from the raw logits."""
     x0 = logits if processed is None else processed
-    greedy = argmax(x0)
+    greedy = argmax(_value(x0)) if greedy is None else greedy
 
     def draw():
-        x = _filtered_logits(x0, p)
+        x = _filtered_logits(_value(x0), p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.step)
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
         return jnp.where(p.temperature > 0, drawn, greedy)

@@ -118,3 +118,22 @@ def test_filters_match_a_full_sort_inside_and_beyond_the_candidates():
     only_temperature = SamplingInputs(p.temperature, jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32),
                                       jnp.zeros(8, jnp.float32), p.seed, p.step, p.want_logprobs)
     assert np.isfinite(np.asarray(jax.jit(_filtered_logits)(jnp.asarray(x), only_temperature))).all()
+
+
+def test_argmax_is_the_first_maximum_of_each_row():
+    """The blocked argmax (vocabularies with 1024 / 512 / 256 / 128-logit blocks) against
+    numpy's, with ties within a block, across blocks, at block edges, and a row of equal values."""
+    from pagedjax.sampler import argmax
+    rng = np.random.default_rng(5)
+    for v in (49152, 32000, 384, 50):
+        x = rng.normal(size=(12, v)).astype(np.float32)
+        top = x.max() + 1
+        x[1, [7, v - 1]] = top  # the first of two, far apart
+        x[2, [v // 2, v // 2 + 1]] = top  # neighbours
+        x[3, [v - 1]] = top  # the very last
+        x[4, :] = 0.0  # all equal: index 0
+        for c in (128, 256, 512, 1024):
+            if v % c == 0 and v > c:
+                x[5, [c - 1, c]] = top  # both sides of a block edge
+                x[6, [2 * c, c + 3]] = top
+        np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.argmax(x, -1), err_msg=str(v))
