@@ -52,6 +52,20 @@ def rope_cos_sin(positions, inv_freq):
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def rope_table_once(positions, inv_freq):
+    """rope_cos_sin, computed once per step into buffers of its own. Fused into each layer's
+    rope instead, XLA computes cos and sin again for every head of every layer: on XLA:CPU
+    2-5 ms of a 16-32 token decode step with SmolLM2 (scripts/trace_steps.py), a quarter of a
+    2048-token prefill's elementwise time. XLA:CPU removes optimization barriers before it
+    fuses, so there the table comes out of a conditional (whose results are buffers) with
+    the same computation in both branches: the predicate, which XLA cannot fold, does not
+    matter. Elsewhere an optimization barrier does it (a conditional would sync a GPU)."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.optimization_barrier(rope_cos_sin(positions, inv_freq))
+    table = lambda: rope_cos_sin(positions, inv_freq)
+    return jax.lax.cond(positions[0] >= 0, table, table)
+
+
 def apply_rope(x, cos, sin):
     """x [T, N, D]; cos/sin [T, D]."""
     half = x.shape[-1] // 2
@@ -186,9 +200,7 @@ class CausalLM(nnx.Module):
     def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache):
         """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv)."""
         x = self.embed[...][tokens].astype(jnp.float32)  # [T, E]
-        # materialised once: fused into each layer's rope, XLA:CPU recomputes cos and sin for every
-        # head of every layer (a quarter of a 2048-token prefill's elementwise time)
-        cos, sin = jax.lax.optimization_barrier(rope_cos_sin(md.positions, self.inv_freq[...]))
+        cos, sin = rope_table_once(md.positions, self.inv_freq[...])  # [T, D] each
         kv = tuple(kv)
         if not self.scan_layers:
             for i, layer in enumerate(self.layers):
