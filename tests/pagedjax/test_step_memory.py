@@ -47,6 +47,14 @@ def test_compiled_step_updates_the_cache_in_place(engine, t):
     assert _pool_copies(exe.as_text(), runner.kv[0].shape) == []
 
 
+def test_rope_table_is_computed_once_per_step(engine):
+    """cos and sin of the step's positions are computed once, not again inside each layer's
+    (or head's) rope: on XLA:CPU they come out of a conditional, one table per branch."""
+    hlo = engine.runner.compile_bucket(16).as_text()
+    assert engine.model.config.num_layers >= 2
+    assert 1 <= len(re.findall(r" cosine\(", hlo)) <= 2
+
+
 def test_scan_and_unrolled_layers_agree(tiny_checkpoints):
     path, hf_model = tiny_checkpoints("qwen2")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
