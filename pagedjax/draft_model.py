@@ -236,6 +236,11 @@ class DraftModelProposer:
         self._free_blocks.extend(reversed(slot.blocks))
 
     @property
+    def num_compiled_steps(self) -> int:
+        """Step sizes compiled so far (a proposal that compiled one took compile time)."""
+        return self._step._cache_size()
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self._free_blocks)
 

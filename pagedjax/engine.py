@@ -4,7 +4,6 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 """
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -29,10 +28,12 @@ from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.request import PLACEHOLDER, Request
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.scheduler import Scheduler
-from pagedjax.speculative import propose
+from pagedjax.speculative import MeasuredCosts, acceptance_estimate, draft_depth, propose
 from pagedjax.token_mask import MaskRules, TokenMask, mask_needed
 
-STEP_SAMPLES = 9  # recent wall times kept per step size (speculative decoding's cost model)
+# a draft model that does not pay drafts once after this many steps (its acceptance and cost
+# move), then after twice as many each time it still does not pay, up to DRAFT_PROBE_MAX
+DRAFT_PROBE_INTERVAL, DRAFT_PROBE_MAX = 16, 512
 
 
 @dataclass(slots=True, eq=False)
@@ -155,12 +156,13 @@ class LLMEngine:
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, accepted, request-steps that verified
         self.num_accepted_draft_tokens = 0
         self.num_verify_steps = 0
-        # T -> the median wall time of its last STEP_SAMPLES steps (a median: one step slowed by a
-        # neighbour or a first run must not make a size look expensive for long)
-        self._step_samples: dict[int, collections.deque] = {}
-        self._step_seconds: dict[int, float] = {}
+        # speculative decoding's cost model: wall seconds of a step by T, of a draft model's proposal by depth
+        self._step_costs = MeasuredCosts(float)
+        self._draft_costs = MeasuredCosts(lambda depth: 0.0)
+        self._steps_without_drafts = 0  # consecutive steps a draft model did not draft
+        self._probe_interval = DRAFT_PROBE_INTERVAL
         for sched in self.schedulers:
-            sched.step_cost = self._step_cost
+            sched.step_cost = self._step_costs
         # schedule step t + 1 while the device runs step t (see step()); never across processes,
         # whose followers replay process 0's steps one at a time
         self.async_scheduling = cfg.async_scheduling and not is_multiprocess()
@@ -323,12 +325,8 @@ class LLMEngine:
         else:
             result = self.runner.fetch(pending)
             produced = self._update(outs, pending, result)
-        if self.spec is not None:  # what a step of each size costs here (the draft allocation weighs it)
-            took = time.perf_counter() - pending.began
-            t = pending.t
-            samples = self._step_samples.setdefault(t, collections.deque(maxlen=STEP_SAMPLES))
-            samples.append(took)
-            self._step_seconds[t] = float(np.median(samples))
+        if self.spec is not None and not pending.first_run:  # what a step of each size costs here
+            self._step_costs.add(pending.t, time.perf_counter() - pending.began)
         if result.prompt is not None:
             self._collect_prompt_logprobs(outs, result.prompt)
         return self._process(produced, result)
@@ -462,18 +460,12 @@ class LLMEngine:
     def step_costs(self) -> dict[int, float]:
         """Wall seconds of a step by its size T, as measured so far (medians of recent steps;
         kept with speculative decoding, whose draft allocation weighs them)."""
-        return dict(sorted(self._step_seconds.items()))
+        return self._step_costs.as_dict()
 
-    def _step_cost(self, t: int) -> float:
-        """Expected seconds of a step of t tokens: measured (a recent median), else that of
-        the nearest measured size: an optimistic guess, so a size is tried once and then
-        known (small steps are weight-bound, bigger ones compute-bound, and where the turn
-        comes depends on the device)."""
-        if t in self._step_seconds:
-            return self._step_seconds[t]
-        if not self._step_seconds:
-            return float(t)
-        return self._step_seconds[min(self._step_seconds, key=lambda m: abs(m - t))]
+    def draft_costs(self) -> dict[int, float]:
+        """Wall seconds of a draft model's proposal by its depth (drafts per request), as
+        measured so far (medians of recent proposals)."""
+        return self._draft_costs.as_dict()
 
     def _propose_drafts(self) -> None:
         """Drafts (prompt lookup, or the draft model) for every running request about to
@@ -488,13 +480,41 @@ class LLMEngine:
                         and not p.uses_penalties and not p.uses_token_mask):
                     wanted.append(req)
         if self.drafter is not None:
+            depth = self._draft_depth(wanted)
+            if depth == 0:
+                return
+            began, compiled = time.perf_counter(), self.drafter.num_compiled_steps
             running = {id(req) for sched in self.schedulers for req in sched.running}
-            for req, drafts in zip(wanted, self.drafter.propose(wanted, spec.num_speculative_tokens, running)):
+            for req, drafts in zip(wanted, self.drafter.propose(wanted, depth, running)):
                 req.draft_token_ids = drafts
+            if self.drafter.num_compiled_steps == compiled:  # not a first run: a cost (propose reads its drafts back)
+                self._draft_costs.add(depth, time.perf_counter() - began)
             return
         for req in wanted:
             req.draft_token_ids = propose(np.asarray(req.all_token_ids), spec.num_speculative_tokens,
                                           spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _draft_depth(self, wanted: list[Request]) -> int:
+        """Drafts per request the draft model proposes this step (speculative.draft_depth):
+        0 while it costs more than its accepted drafts save, but 1 now and then (after
+        DRAFT_PROBE_INTERVAL steps, then ever fewer: a probe reads every token the draft
+        missed), so that its acceptance and cost stay measured. Always num_speculative_tokens
+        with "adaptive": False."""
+        if not self.spec.adaptive:
+            return self.spec.num_speculative_tokens
+        rates = [acceptance_estimate(r.num_accepted_drafts, r.num_drafted) for r in wanted]
+        cap = self.buckets.max_num_batched_tokens
+        target = lambda t: self._step_costs(self.buckets.token_bucket(min(t, cap)))
+        depth = draft_depth(rates, self.spec.num_speculative_tokens, target, self._draft_costs)
+        if depth == 0 and wanted:
+            self._steps_without_drafts += 1
+            if self._steps_without_drafts < self._probe_interval:
+                return 0
+            depth, self._probe_interval = 1, min(2 * self._probe_interval, DRAFT_PROBE_MAX)
+        elif depth > 0:
+            self._probe_interval = DRAFT_PROBE_INTERVAL
+        self._steps_without_drafts = 0
+        return depth
 
     def _emitted(self, result, out, i: int, row: int) -> list[int]:
         """The tokens entry i of `out` emits: its sampled token, or with drafts the accepted

@@ -67,6 +67,7 @@ class PendingStep:
     wanted: list[str]  # the SamplerOutput fields to read back
     prompt: object  # PromptLogprobs on the device, or None when no position asked
     began: float  # time.perf_counter() at dispatch
+    first_run: bool = False  # the bucket's first run: it compiled or loaded, its time is not a step's cost
 
 
 class ModelRunner:
@@ -105,7 +106,7 @@ class ModelRunner:
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._sample = jax.jit(self._sample_fn, donate_argnums=(3,))
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
-        self._primed: set[int] = set()  # T buckets run once by the warm-up (see prime_bucket)
+        self._primed: set[int] = set()  # T buckets that have run once (the warm-up's prime_bucket, or a step)
         self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
         self._compile_lock = threading.Lock()
         self._state_lock = threading.Lock()  # a dispatch and a warm-up's first run replace kv / penalties one at a time
@@ -383,6 +384,7 @@ class ModelRunner:
         constrained rows; called while the device runs the forward pass."""
         began = time.perf_counter()
         t, inputs, sampling, copies = self.prepare(outs)
+        first_run = t not in self._primed
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:
@@ -398,7 +400,8 @@ class ModelRunner:
             self.penalties, out, padded = self._samplers[s](logits, sampling, bitmask, self.penalties)
         wanted = ["tokens"] + (["logprobs", "top_ids", "top_logprobs"] if sampling.want_logprobs.any() else []) \
             + (["accepted", "resampled"] if (sampling.draft_next >= 0).any() else [])
-        return PendingStep(t, out, padded, wanted, plp if (inputs.prompt_next >= 0).any() else None, began)
+        self._primed.add(t)
+        return PendingStep(t, out, padded, wanted, plp if (inputs.prompt_next >= 0).any() else None, began, first_run)
 
     def fetch(self, pending: PendingStep):
         """Waits for a dispatched step and returns its sampler output (numpy): rank r's entry

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
 
 MAX_LOGPROBS = 20  # top-k log-probabilities the step always computes; requests may ask up to this
 MAX_INT32 = 2**31 - 1  # top_k, max_tokens and token ids travel to the device as int32

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pagedjax.block_pool import BlockPool, hash_block
 from pagedjax.buckets import Buckets
 from pagedjax.request import Request, RequestStatus
-from pagedjax.speculative import allocate_drafts
+from pagedjax.speculative import acceptance_estimate, allocate_drafts
 
 
 @dataclass(slots=True)
@@ -243,7 +243,7 @@ class Scheduler:
             return [[] for _ in decode]
         caps = [max(0, min(len(r.draft_token_ids), self.max_model_len - r.num_computed_tokens - 1,
                            r.params.max_tokens - len(r.output_token_ids) - 1)) for r in decode]
-        rates = [(r.num_accepted_drafts + 1) / (r.num_drafted + 2) for r in decode]  # a prior of 1/2
+        rates = [acceptance_estimate(r.num_accepted_drafts, r.num_drafted) for r in decode]
         alloc = allocate_drafts(caps, rates, num_tokens, self.buckets.token_buckets(), budget,
                                 self.buckets.max_draft_tokens, self.step_cost)
         drafts = []

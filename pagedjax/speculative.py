@@ -11,26 +11,32 @@ target model's. Accepted drafts plus one more token come out of a step.
 """
 from __future__ import annotations
 
+import collections
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 MAX_SPECULATIVE_TOKENS = 16
+COST_SAMPLES = 9  # recent wall times a MeasuredCosts keeps per size
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`: prompt lookup, {"method": "ngram", "num_speculative_tokens":
     k, "prompt_lookup_min": a, "prompt_lookup_max": b}, or a draft model, {"model": path,
-    "num_speculative_tokens": k} (method "draft_model"; see draft_model.py)."""
+    "num_speculative_tokens": k} (method "draft_model"; see draft_model.py). A draft model
+    proposes up to k drafts a step, fewer or none while it costs more than its accepted
+    drafts save (`draft_depth`); "adaptive": False makes it always propose k."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     method: str = "ngram"
     model: str | None = None  # the draft model (method "draft_model")
+    adaptive: bool = True  # draft model: the number of drafts follows their measured worth
 
     @classmethod
     def parse(cls, config) -> "SpeculativeConfig | None":
@@ -39,7 +45,7 @@ class SpeculativeConfig:
             return config
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; this engine knows {sorted(known)}")
@@ -60,9 +66,15 @@ class SpeculativeConfig:
             lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(config))
             if lookup:
                 raise ValueError(f"speculative_config: {lookup} apply to method 'ngram', not to a draft model")
-            return cls(k, method="draft_model", model=model)
+            adaptive = config.get("adaptive", True)
+            if not isinstance(adaptive, bool):
+                raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
+            return cls(k, method="draft_model", model=model, adaptive=adaptive)
         if config.get("model") is not None:
             raise ValueError(f"speculative_config: 'model' (a draft model) does not go with method {method!r}")
+        if "adaptive" in config:
+            raise ValueError("speculative_config: 'adaptive' applies to a draft model (prompt lookup costs "
+                             "nothing to propose; its verification is weighed each step anyway)")
         lo = config.get("prompt_lookup_min", min(2, config.get("prompt_lookup_max", 4)))
         hi = config.get("prompt_lookup_max", max(4, lo))
         _check_positive("prompt_lookup_min", lo)
@@ -129,3 +141,59 @@ def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs
     for i in order[:best_j]:
         alloc[i] += 1
     return alloc
+
+
+def acceptance_estimate(num_accepted: int, num_drafted: int) -> float:
+    """A request's chance that its next draft is accepted: its record so far, from a prior of 1/2."""
+    return (num_accepted + 1) / (num_drafted + 2)
+
+
+class MeasuredCosts:
+    """Wall seconds by size (a step's T, a draft model's depth): the median of the last
+    COST_SAMPLES measurements of that size (a median: one run slowed by a neighbour, or a first
+    run, must not make a size look expensive for long). An unmeasured size costs what the
+    nearest measured one does, an optimistic guess, so it is tried once and then known;
+    `unmeasured(size)` when nothing is measured yet."""
+
+    def __init__(self, unmeasured: Callable[[int], float]):
+        self._unmeasured = unmeasured
+        self._samples: dict[int, collections.deque] = {}
+        self._median: dict[int, float] = {}
+
+    def add(self, size: int, seconds: float) -> None:
+        samples = self._samples.setdefault(size, collections.deque(maxlen=COST_SAMPLES))
+        samples.append(seconds)
+        self._median[size] = float(np.median(samples))
+
+    def __call__(self, size: int) -> float:
+        if size in self._median:
+            return self._median[size]
+        if not self._median:
+            return self._unmeasured(size)
+        return self._median[min(self._median, key=lambda m: abs(m - size))]
+
+    def as_dict(self) -> dict[int, float]:
+        return dict(sorted(self._median.items()))
+
+
+def draft_depth(rates: list[float], k: int, target_cost: Callable[[int], float],
+                draft_cost: Callable[[int], float]) -> int:
+    """How many drafts (0..k) a draft model proposes for the decoding requests of a step.
+
+    rates [n]: each request's estimated chance that a draft is accepted; target_cost(T): the
+    expected time of a target step of T tokens; draft_cost(j): of proposing j drafts (one
+    draft-model step per draft, for all requests at once). With j drafts a request emits
+    1 + a + ... + a^j tokens on average (draft m counts only if those before it were
+    accepted; the bonus or redraw always comes), from a step of n (1 + j) tokens; the depth
+    with the most expected tokens per second wins, 0 (no drafting) when the draft model costs
+    more than its accepted drafts save."""
+    n = len(rates)
+    if n == 0:
+        return 0
+    best, best_rate = 0, n / target_cost(n)
+    for j in range(1, k + 1):
+        tokens = sum(j + 1 if a >= 1 else (1 - a ** (j + 1)) / (1 - a) for a in rates)
+        rate = tokens / (target_cost(n * (j + 1)) + draft_cost(j))
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = j, rate
+    return best

@@ -16,8 +16,9 @@ def _prompts():
     return [rng.integers(2, 384, 30).tolist(), rng.integers(2, 384, 75).tolist(), [5, 6, 7]]
 
 
-def _draft(path, k=3):
-    return {"model": str(path), "num_speculative_tokens": k}
+def _draft(path, k=3, adaptive=False):
+    """adaptive False: k drafts every step, whatever they cost (the tests of the mechanics)."""
+    return {"model": str(path), "num_speculative_tokens": k, "adaptive": adaptive}
 
 
 def test_config_parses_and_rejects():
@@ -31,6 +32,12 @@ def test_config_parses_and_rejects():
         SpeculativeConfig.parse({"method": "ngram", "model": "/d", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 0})
+    assert SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3}).adaptive
+    assert not SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3, "adaptive": False}).adaptive
+    with pytest.raises(ValueError, match="adaptive must be"):
+        SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3, "adaptive": "yes"})
+    with pytest.raises(ValueError, match="'adaptive' applies to a draft model"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "adaptive": True})
 
 
 def test_the_target_as_its_own_draft_is_accepted(tiny_checkpoints):
@@ -75,10 +82,10 @@ def test_warmup_compiles_the_draft_steps_and_nothing_after(tiny_checkpoints):
     llm = LLM(str(path), speculative_config=_draft(path, 2), **{**KW, "warmup": True})
     llm.wait_for_warmup()
     drafter = llm.engine.drafter
-    compiled = drafter._step._cache_size()
+    compiled = drafter.num_compiled_steps
     assert compiled == len(drafter.buckets.token_buckets())
     llm.generate(_prompts(), SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert drafter._step._cache_size() == compiled
+    assert drafter.num_compiled_steps == compiled
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoints, tmp_path):
@@ -131,3 +138,24 @@ def test_drafts_are_those_of_a_draft_reading_everything_again(tiny_checkpoints):
     stats = llm.stats()
     assert len(compared) > 20 and all(compared)
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # some drafts were rejected
+
+
+def test_an_adaptive_draft_that_does_not_pay_mostly_stops_drafting(tiny_checkpoints):
+    """Another model's drafts are almost never accepted (tiny random models disagree), and
+    proposing them costs about what a target step does: the adaptive draft model drafts on
+    a fraction of the steps (it measures its cost and acceptance, and probes now and then),
+    and outputs stay transformers'."""
+    path, hf_model = tiny_checkpoints("llama")
+    draft_path, _ = tiny_checkpoints("mistral")
+    prompts = _prompts()
+    drafted = {}
+    for adaptive in (False, True):
+        llm = LLM(str(path), speculative_config=_draft(draft_path, 3, adaptive), **KW)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 60) for p in prompts]
+        stats = llm.stats()
+        assert stats["spec_acceptance_rate"] < 0.2 and stats["kv_blocks_free"] == 96
+        drafted[adaptive] = stats["spec_draft_tokens"]
+        if adaptive:
+            assert llm.engine.draft_costs()  # measured (first runs, which compile, are not)
+    assert 0 < drafted[True] < drafted[False] / 3, drafted

@@ -76,7 +76,7 @@ def test_speculation_with_preemption_forks_stops_and_max_tokens(proposer, tiny_c
     stops and max_tokens land inside accepted runs; test_draft_model.py has the rest)."""
     path, hf_model = tiny_checkpoints("llama")
     prompts = _prompts()
-    spec = SPEC if proposer == "ngram" else {"model": str(path), "num_speculative_tokens": 4}
+    spec = SPEC if proposer == "ngram" else {"model": str(path), "num_speculative_tokens": 4, "adaptive": False}
     llm = LLM(str(path), speculative_config=spec, max_num_seqs=6, max_model_len=256, block_size=8, num_blocks=20,
               max_num_batched_tokens=32, warmup=False)
     want = [hf_greedy(hf_model, p, 30) for p in prompts]
@@ -151,3 +151,33 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_checkpoints):
                     cells += 1
         df = cells - len(set(p[0] for p in pairs))
         assert chi2 < df + 5 * np.sqrt(2 * df), (cfg, chi2, df)
+
+
+def test_draft_depth_weighs_acceptance_against_the_draft_models_cost():
+    from pagedjax.speculative import draft_depth
+    flat = lambda t: 0.020  # a weight-bound target: a step costs the same whatever its tokens
+    per_draft = lambda ms: (lambda j: j * ms / 1e3)
+    assert draft_depth([0.9] * 4, 4, flat, per_draft(1)) == 4  # a cheap, good draft: all of it
+    assert draft_depth([0.9] * 4, 4, flat, per_draft(20)) == 0  # as costly as the target: none
+    assert draft_depth([0.05] * 4, 4, flat, per_draft(2)) == 0  # a cheap draft that is never right: none
+    assert draft_depth([1.0], 4, flat, per_draft(1)) == 4  # always accepted (no division by 1 - a)
+    assert draft_depth([], 4, flat, per_draft(1)) == 0
+    # a middling draft: deeper drafts are ever less likely to count, so the depth stops short of k
+    assert 0 < draft_depth([0.6] * 4, 8, flat, per_draft(4)) < 8
+    # a target whose step cost grows with its tokens makes deep drafts cost more
+    growing = lambda t: 0.010 + 0.002 * t
+    assert draft_depth([0.7] * 8, 4, growing, per_draft(0.5)) < draft_depth([0.7] * 8, 4, flat, per_draft(0.5))
+
+
+def test_measured_costs_are_recent_medians_and_guess_the_nearest():
+    from pagedjax.speculative import COST_SAMPLES, MeasuredCosts
+    costs = MeasuredCosts(lambda size: float(size))
+    assert costs(16) == 16.0  # nothing measured yet
+    for seconds in (0.010, 0.011, 0.500, 0.012):  # one slow outlier does not move a median much
+        costs.add(8, seconds)
+    assert costs(8) == pytest.approx(0.0115) and costs(32) == costs(8)
+    costs.add(32, 0.040)
+    assert costs(24) == 0.040 and costs(12) == costs(8) and costs.as_dict() == {8: costs(8), 32: 0.040}
+    for _ in range(COST_SAMPLES):
+        costs.add(8, 0.020)  # old samples age out
+    assert costs(8) == 0.020

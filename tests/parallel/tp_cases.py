@@ -128,7 +128,7 @@ def main(out_dir: Path) -> dict:
     many = dict(ENGINE, max_num_seqs=16, max_num_batched_tokens=16, num_blocks=200, data_parallel_size=2)
     prompts = [[(7 * i + j) % 300 + 2 for j in range(3 + i % 5)] for i in range(32)]
     draft_case = res["draft_dp2"] = {}
-    for label, spec in (("plain", None), ("draft", {"model": llama, "num_speculative_tokens": 3})):
+    for label, spec in (("plain", None), ("draft", {"model": llama, "num_speculative_tokens": 3, "adaptive": False})):
         llm = LLM(llama, speculative_config=spec, **many)
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
         draft_case[label] = [list(o.outputs[0].token_ids) for o in outs]
