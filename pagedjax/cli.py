@@ -29,7 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (prompt lookup) or \'{"model": "DRAFT_DIR", '
-                        '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary)')
+                        '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary; it drafts '
+                        'fewer or none while they do not pay, "adaptive": false keeps k)')
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="devices to split the weights and KV heads over (default 1)")
     g.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="data-parallel ranks (default 1)")
