@@ -58,12 +58,12 @@ def rope_table_once(positions, inv_freq):
     2-5 ms of a 16-32 token decode step with SmolLM2 (scripts/trace_steps.py), a quarter of a
     2048-token prefill's elementwise time. XLA:CPU removes optimization barriers before it
     fuses, so there the table comes out of a conditional (whose results are buffers) with
-    the same computation in both branches: the predicate, which XLA cannot fold, does not
-    matter. Elsewhere an optimization barrier does it (a conditional would sync a GPU)."""
+    the same computation in both branches: the predicate, on a parameter XLA cannot fold,
+    does not matter. Elsewhere an optimization barrier does it (a conditional would sync a GPU)."""
     if jax.default_backend() != "cpu":
         return jax.lax.optimization_barrier(rope_cos_sin(positions, inv_freq))
     table = lambda: rope_cos_sin(positions, inv_freq)
-    return jax.lax.cond(positions[0] >= 0, table, table)
+    return jax.lax.cond(inv_freq[0] >= 0, table, table)  # inv_freq: replicated wherever positions are sharded
 
 
 def apply_rope(x, cos, sin):

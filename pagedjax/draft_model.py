@@ -105,8 +105,7 @@ class DraftModelProposer:
     def propose(self, requests: list, k: int, running: set[int]) -> list[list[int]]:
         """Up to k greedy drafts after each request's tokens. running: id() of every request
         still running (the slots of the others are freed first)."""
-        for key in [key for key in self._slots if key not in running]:
-            self._release(key)
+        self.release_all_but(running)
         live, drafts = [], [[] for _ in requests]
         for i, req in enumerate(requests):
             tokens = req.all_token_ids
@@ -230,6 +229,11 @@ class DraftModelProposer:
         slot = self._slots.get(id(request))
         if slot is not None and slot.request is request:
             self._release(id(request))
+
+    def release_all_but(self, running: set[int]) -> None:
+        """Frees the slots of requests no longer running (running: their id())."""
+        for key in [key for key in self._slots if key not in running]:
+            self._release(key)
 
     def _release(self, key: int) -> None:
         slot = self._slots.pop(key)

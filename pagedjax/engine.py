@@ -160,6 +160,7 @@ class LLMEngine:
         self._step_costs = MeasuredCosts(float)
         self._draft_costs = MeasuredCosts(lambda depth: 0.0)
         self._steps_without_drafts = 0  # consecutive steps a draft model did not draft
+        self._drafted_last_step = False
         self._probe_interval = DRAFT_PROBE_INTERVAL
         for sched in self.schedulers:
             sched.step_cost = self._step_costs
@@ -471,47 +472,57 @@ class LLMEngine:
         """Drafts (prompt lookup, or the draft model) for every running request about to
         decode (not for beams, nor for requests whose penalties or token masks depend on each
         token before it)."""
-        spec, wanted = self.spec, []
+        spec, wanted, rows = self.spec, [], 0
         for sched in self.schedulers:
+            rank = 0  # decoding requests of this data-parallel rank
             for req in sched.running:
                 p = req.params
                 req.draft_token_ids = []
                 if (req.num_tokens - req.num_computed_tokens == 1 and req.output_token_ids and req.beam_group is None
                         and not p.uses_penalties and not p.uses_token_mask):
                     wanted.append(req)
+                    rank += 1
+            rows = max(rows, rank)
         if self.drafter is not None:
-            depth = self._draft_depth(wanted)
+            running = {id(req) for sched in self.schedulers for req in sched.running}
+            self.drafter.release_all_but(running)  # slots of finished or preempted requests
+            depth = self._draft_depth(wanted, rows)
             if depth == 0:
+                self._drafted_last_step = False
                 return
             began, compiled = time.perf_counter(), self.drafter.num_compiled_steps
-            running = {id(req) for sched in self.schedulers for req in sched.running}
             for req, drafts in zip(wanted, self.drafter.propose(wanted, depth, running)):
                 req.draft_token_ids = drafts
-            if self.drafter.num_compiled_steps == compiled:  # not a first run: a cost (propose reads its drafts back)
+            # a cost: not a first run (compile, load), nor a proposal after steps without
+            # drafts (it reads every token missed meanwhile); propose reads its drafts back
+            if self.drafter.num_compiled_steps == compiled and self._drafted_last_step:
                 self._draft_costs.add(depth, time.perf_counter() - began)
+            self._drafted_last_step = True
             return
         for req in wanted:
             req.draft_token_ids = propose(np.asarray(req.all_token_ids), spec.num_speculative_tokens,
                                           spec.prompt_lookup_min, spec.prompt_lookup_max)
 
-    def _draft_depth(self, wanted: list[Request]) -> int:
-        """Drafts per request the draft model proposes this step (speculative.draft_depth):
-        0 while it costs more than its accepted drafts save, but 1 now and then (after
-        DRAFT_PROBE_INTERVAL steps, then ever fewer: a probe reads every token the draft
-        missed), so that its acceptance and cost stay measured. Always num_speculative_tokens
-        with "adaptive": False."""
+    def _draft_depth(self, wanted: list[Request], rows: int) -> int:
+        """Drafts per request the draft model proposes this step (speculative.draft_depth;
+        rows: the decoding requests of the largest data-parallel rank): 0 while it costs more
+        than its accepted drafts save, but 1 now and then (after DRAFT_PROBE_INTERVAL steps,
+        then ever fewer), so that its acceptance and cost stay measured. Always
+        num_speculative_tokens with "adaptive": False."""
+        if not wanted:
+            return 0
         if not self.spec.adaptive:
             return self.spec.num_speculative_tokens
         rates = [acceptance_estimate(r.num_accepted_drafts, r.num_drafted) for r in wanted]
-        cap = self.buckets.max_num_batched_tokens
-        target = lambda t: self._step_costs(self.buckets.token_bucket(min(t, cap)))
-        depth = draft_depth(rates, self.spec.num_speculative_tokens, target, self._draft_costs)
-        if depth == 0 and wanted:
+        room = min(self.buckets.max_draft_tokens, self.buckets.max_num_batched_tokens - rows)
+        target = lambda t: self._step_costs(self.buckets.token_bucket(t))
+        depth = draft_depth(rates, self.spec.num_speculative_tokens, target, self._draft_costs, rows, room)
+        if depth == 0:
             self._steps_without_drafts += 1
             if self._steps_without_drafts < self._probe_interval:
                 return 0
             depth, self._probe_interval = 1, min(2 * self._probe_interval, DRAFT_PROBE_MAX)
-        elif depth > 0:
+        else:
             self._probe_interval = DRAFT_PROBE_INTERVAL
         self._steps_without_drafts = 0
         return depth

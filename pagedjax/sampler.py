@@ -127,35 +127,38 @@ def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int
     when some row of the step uses it."""
     penalized, constrained = jnp.any(p.penalty_slot >= 0), jnp.any(p.constrained)
 
-    def processed():  # [S, V]: the logits tokens are drawn from (built only inside the branches that draw)
+    def processed():  # [S, V]: the logits tokens are drawn from
         x = jax.lax.cond(penalized,
                          lambda: apply_penalties(logits, state, p.penalty_slot, p.repetition, p.frequency,
                                                  p.presence, dp),
                          lambda: logits)
         return jax.lax.cond(constrained, lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
 
-    # [S]: sampling and verification share it; a greedy step with no processor copies no logits
-    greedy = jax.lax.cond(penalized | constrained, lambda: argmax(processed()), lambda: argmax(logits))
-    out = sample(logits, p, processed=processed, greedy=greedy)
-    if p.draft_next is not None:
-        accepted, resampled = jax.lax.cond(jnp.any(p.draft_next >= 0), lambda: verify_drafts(processed, p, greedy),
-                                           lambda: (jnp.zeros_like(p.constrained), out.tokens))
-        # the token each row emits: its draft if accepted, else the redraw; the bonus row its sample
-        emitted = jnp.where(p.draft_next >= 0, jnp.where(accepted, p.draft_next, resampled), out.tokens)
-        chosen = jax.lax.cond(jnp.any(p.want_logprobs & (p.draft_next >= 0)),
-                              lambda: jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[:, None],
-                                                          axis=-1)[:, 0],
-                              lambda: out.logprobs)
-        out = SamplerOutput(out.tokens, chosen, out.top_ids, out.top_logprobs, accepted, resampled)
+    # one branch builds the processed logits once (and reads the penalty table once, so its
+    # in-place update needs no copy); a step with no processor draws from the logits as they are
+    out = jax.lax.cond(penalized | constrained, lambda: _draw_and_verify(logits, processed(), p),
+                       lambda: _draw_and_verify(logits, logits, p))
     state = jax.lax.cond(penalized, lambda: count_sampled(state, p.penalty_slot, out.tokens, p.produces, dp),
                          lambda: state)
     return state, out
 
 
-def _value(x):
-    """An array, or the array a function computes (built where it is called: inside a cond
-    branch, only when that branch runs)."""
-    return x() if callable(x) else x
+def _draw_and_verify(logits, x, p: SamplingInputs) -> SamplerOutput:
+    """logits [S, V] raw, x [S, V] processed -> the step's samples, with the verdict on each
+    row's draft when the step carries drafts."""
+    greedy = argmax(x)  # [S]: sampling and verification share it
+    out = sample(logits, p, processed=x, greedy=greedy)
+    if p.draft_next is None:
+        return out
+    accepted, resampled = jax.lax.cond(jnp.any(p.draft_next >= 0), lambda: verify_drafts(x, p, greedy),
+                                       lambda: (jnp.zeros_like(p.constrained), out.tokens))
+    # the token each row emits: its draft if accepted, else the redraw; the bonus row its sample
+    emitted = jnp.where(p.draft_next >= 0, jnp.where(accepted, p.draft_next, resampled), out.tokens)
+    chosen = jax.lax.cond(jnp.any(p.want_logprobs & (p.draft_next >= 0)),
+                          lambda: jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[:, None],
+                                                      axis=-1)[:, 0],
+                          lambda: out.logprobs)
+    return SamplerOutput(out.tokens, chosen, out.top_ids, out.top_logprobs, accepted, resampled)
 
 
 def _keys(p: SamplingInputs, salt: int):
@@ -164,18 +167,18 @@ def _keys(p: SamplingInputs, salt: int):
 
 def verify_drafts(x0, p: SamplingInputs, greedy=None):
     """Speculative verification, rows with a draft (p.draft_next >= 0): x0 [S, V] the
-    processed logits, or a function computing them (greedy [S]: their argmax, when already
-    known) -> (accepted [S] bool, resampled [S] int32). Greedy rows accept the
+    processed logits (greedy [S]: their argmax, when already known) -> (accepted [S] bool,
+    resampled [S] int32). Greedy rows accept the
     draft when it is the argmax (else the argmax is emitted); sampled rows accept it with the
     target probability of the draft (after temperature and filters) and otherwise draw from
     the target distribution without the draft: the emitted token is distributed exactly as
     the target model's (rejection sampling with a point-mass proposal)."""
     has = p.draft_next >= 0
     d = jnp.maximum(p.draft_next, 0)
-    greedy = argmax(_value(x0)) if greedy is None else greedy
+    greedy = argmax(x0) if greedy is None else greedy
 
     def sampled():
-        x = _filtered_logits(_value(x0), p)
+        x = _filtered_logits(x0, p)
         p_draft = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), d[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(_keys(p, 1))
         without = jnp.where(jnp.arange(x.shape[-1])[None, :] == d[:, None], -jnp.inf, x)
@@ -189,14 +192,14 @@ def verify_drafts(x0, p: SamplingInputs, greedy=None):
 
 def sample(logits, p: SamplingInputs, processed=None, greedy=None) -> SamplerOutput:
     """logits [S, V] float32 -> sampled tokens and log-probabilities. processed: the logits
-    after bias, penalties and masks (default: logits), or a function computing them, which
-    tokens are drawn from (greedy [S]: their argmax, when already known); log-probabilities
+    after bias, penalties and masks (default: logits), which tokens are drawn from (greedy
+    [S]: their argmax, when already known); log-probabilities
     always come from the raw logits."""
     x0 = logits if processed is None else processed
-    greedy = argmax(_value(x0)) if greedy is None else greedy
+    greedy = argmax(x0) if greedy is None else greedy
 
     def draw():
-        x = _filtered_logits(_value(x0), p)
+        x = _filtered_logits(x0, p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.step)
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
         return jnp.where(p.temperature > 0, drawn, greedy)

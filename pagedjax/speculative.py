@@ -177,23 +177,30 @@ class MeasuredCosts:
 
 
 def draft_depth(rates: list[float], k: int, target_cost: Callable[[int], float],
-                draft_cost: Callable[[int], float]) -> int:
+                draft_cost: Callable[[int], float], rows: int | None = None,
+                max_drafts: int | None = None) -> int:
     """How many drafts (0..k) a draft model proposes for the decoding requests of a step.
 
     rates [n]: each request's estimated chance that a draft is accepted; target_cost(T): the
     expected time of a target step of T tokens; draft_cost(j): of proposing j drafts (one
     draft-model step per draft, for all requests at once). With j drafts a request emits
     1 + a + ... + a^j tokens on average (draft m counts only if those before it were
-    accepted; the bonus or redraw always comes), from a step of n (1 + j) tokens; the depth
-    with the most expected tokens per second wins, 0 (no drafting) when the draft model costs
-    more than its accepted drafts save."""
+    accepted; the bonus or redraw always comes), from a step of rows (1 + j) tokens (rows:
+    the decoding requests of the largest data-parallel rank, default n); depths whose
+    rows * j drafts exceed max_drafts (what a step can verify) are not tried. The depth with
+    the most expected tokens per second wins, 0 (no drafting) when the draft model costs more
+    than its accepted drafts save."""
     n = len(rates)
     if n == 0:
         return 0
-    best, best_rate = 0, n / target_cost(n)
+    rows = n if rows is None else rows
+    cost = lambda seconds: max(seconds, 1e-12)  # an unmeasured cost may read 0
+    best, best_rate = 0, n / cost(target_cost(rows))
     for j in range(1, k + 1):
+        if max_drafts is not None and rows * j > max_drafts:
+            break
         tokens = sum(j + 1 if a >= 1 else (1 - a ** (j + 1)) / (1 - a) for a in rates)
-        rate = tokens / (target_cost(n * (j + 1)) + draft_cost(j))
+        rate = tokens / cost(target_cost(rows * (j + 1)) + draft_cost(j))
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = j, rate
     return best

@@ -121,8 +121,9 @@ def test_filters_match_a_full_sort_inside_and_beyond_the_candidates():
 
 
 def test_argmax_is_the_first_maximum_of_each_row():
-    """The blocked argmax (vocabularies with 1024 / 512 / 256 / 128-logit blocks) against
-    numpy's, with ties within a block, across blocks, at block edges, and a row of equal values."""
+    """The blocked argmax (vocabularies of 1024, 256 and 128-logit blocks, and one without
+    blocks) against numpy's, with ties within a block, across blocks, at block edges, first
+    maxima past the first block, and a row of equal values."""
     from pagedjax.sampler import argmax
     rng = np.random.default_rng(5)
     for v in (49152, 32000, 384, 50):
@@ -132,8 +133,9 @@ def test_argmax_is_the_first_maximum_of_each_row():
         x[2, [v // 2, v // 2 + 1]] = top  # neighbours
         x[3, [v - 1]] = top  # the very last
         x[4, :] = 0.0  # all equal: index 0
-        for c in (128, 256, 512, 1024):
-            if v % c == 0 and v > c:
-                x[5, [c - 1, c]] = top  # both sides of a block edge
-                x[6, [2 * c, c + 3]] = top
+        c = next((c for c in (1024, 512, 256, 128) if v % c == 0 and v > c), 16)  # the block size used
+        x[5, [c - 1, c]] = top  # both sides of a block edge
+        x[6, [2 * c + 1, c + 5]] = top  # the first maximum in a block past the first, a tie in a later one
+        x[7, [c + 9, c + 2]] = top  # a tie within one block past the first
+        x[8, [2 * c - 1]] = top  # the last of a block past the first
         np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.argmax(x, -1), err_msg=str(v))

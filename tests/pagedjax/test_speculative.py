@@ -167,6 +167,13 @@ def test_draft_depth_weighs_acceptance_against_the_draft_models_cost():
     # a target whose step cost grows with its tokens makes deep drafts cost more
     growing = lambda t: 0.010 + 0.002 * t
     assert draft_depth([0.7] * 8, 4, growing, per_draft(0.5)) < draft_depth([0.7] * 8, 4, flat, per_draft(0.5))
+    # only depths whose drafts a step can verify: 4 rows x 2 drafts fit in 8, x 3 do not
+    assert draft_depth([0.9] * 4, 4, flat, per_draft(1), max_drafts=8) == 2
+    assert draft_depth([0.9] * 4, 4, flat, per_draft(1), max_drafts=3) == 0
+    # data parallel: 8 requests over 2 ranks make steps of 4 rows; a target whose cost grows with its
+    # rows then drafts deeper than if all 8 shared one step
+    assert draft_depth([0.8] * 8, 4, growing, per_draft(0.1), rows=4) > draft_depth([0.8] * 8, 4, growing, per_draft(0.1))
+    assert draft_depth([0.9] * 4, 4, lambda t: 0.0, lambda j: 0.0) in range(5)  # nothing measured: no division by 0
 
 
 def test_measured_costs_are_recent_medians_and_guess_the_nearest():

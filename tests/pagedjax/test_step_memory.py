@@ -47,12 +47,42 @@ def test_compiled_step_updates_the_cache_in_place(engine, t):
     assert _pool_copies(exe.as_text(), runner.kv[0].shape) == []
 
 
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """HLO module text -> each computation's instruction lines, by name."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            comps[name] = []
+        elif name is not None and line.strip() != "}":
+            comps[name].append(line)
+    return comps
+
+
+def _called(line: str) -> list[str]:
+    """The computations an HLO instruction calls (fusions, conditionals' branches, loops...)."""
+    names = re.findall(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)", line)
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        names += re.findall(r"%([\w.\-]+)", group)
+    return names
+
+
 def test_rope_table_is_computed_once_per_step(engine):
     """cos and sin of the step's positions are computed once, not again inside each layer's
-    (or head's) rope: on XLA:CPU they come out of a conditional, one table per branch."""
-    hlo = engine.runner.compile_bucket(16).as_text()
+    (or head's) rope: on XLA:CPU they come out of a conditional, one table per branch, and
+    no cosine lies anywhere else (fused into the layers, there would be one per layer)."""
+    comps = _computations(engine.runner.compile_bucket(16).as_text())
+    in_branches, todo = set(), [n for lines in comps.values() for line in lines
+                                if " conditional(" in line for n in _called(line)]
+    while todo:  # every computation a conditional's branch reaches
+        name = todo.pop()
+        if name not in in_branches:
+            in_branches.add(name)
+            todo += [n for line in comps.get(name, []) for n in _called(line)]
+    cosines = [name for name, lines in comps.items() for line in lines if " cosine(" in line]
     assert engine.model.config.num_layers >= 2
-    assert 1 <= len(re.findall(r" cosine\(", hlo)) <= 2
+    assert 1 <= len(cosines) <= 2 and set(cosines) <= in_branches, cosines
 
 
 def test_scan_and_unrolled_layers_agree(tiny_checkpoints):
