@@ -36,12 +36,11 @@ def rms_norm(x, weight, eps):
 def linear(x, w, native: bool = False):
     """x [..., in] @ w[out, in].T -> [..., out] in float32. A narrower w (bf16) takes x
     rounded to its dtype and accumulates in float32; never the reverse (that would convert
-    the whole weight every step). native: a bf16 w with decode-sized x [M, in] goes to the
-    CPU kernel (pallas_kernels.cpu_matmul) where it serves the shape; same result up to
+    the whole weight every step). native: decode-sized x [M, in] goes to the CPU kernel
+    (pallas_kernels.cpu_matmul) where one serves the shape and w's dtype; same result up to
     float32 rounding."""
-    if (native and x.ndim == 2 and jnp.dtype(w.dtype) == jnp.bfloat16
-            and cpu_matmul.supported(x.shape[0], w.shape[1], w.shape[0])):
-        return cpu_matmul.matmul_bf16(x, w)
+    if native and x.ndim == 2 and cpu_matmul.supported(x.shape[0], w.shape[1], w.shape[0], w.dtype):
+        return cpu_matmul.matmul(x, w)
     return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -84,12 +83,15 @@ class Placement:
 
     def __init__(self, dtype, mesh=None, layout: TPLayout | None = None, stacked: bool = False):
         self.dtype, self.mesh, self.layout, self.stacked = dtype, mesh, layout, stacked
-        # bf16 matrices on one CPU device: decode-sized matmuls may take the native kernel
-        self.native_matmul = ((mesh is None or mesh.devices.size == 1) and jnp.dtype(dtype) == jnp.bfloat16
-                              and jax.default_backend() == "cpu")
+        # one CPU device: decode-sized matmuls may take a native kernel (bf16: AMX, AVX512-BF16 or
+        # AVX2; float32: AVX2), wherever one serves the shape (cpu_matmul.supported)
+        self.native_matmul = ((mesh is None or mesh.devices.size == 1) and jax.default_backend() == "cpu"
+                              and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32))
         # the vocab head too where the kernel has AMX (measured on SmolLM2's [49152, 576] head, 8-16
-        # rows: 2.6-2.8 ms against XLA's 3.6-3.8); its AVX512-BF16 path loses to XLA there
-        self.native_head = self.native_matmul and cpu_matmul.amx_available()
+        # rows: 2.6-2.8 ms against XLA's 3.6-3.8) or takes the AVX2 path (f32 at 2-32 rows: 4.8-17 ms
+        # against 10-21); its AVX512-BF16 path loses to XLA there
+        avx512 = jnp.dtype(dtype) == jnp.bfloat16 and cpu_matmul.available()
+        self.native_head = self.native_matmul and (cpu_matmul.amx_available() if avx512 else cpu_matmul.avx2_available())
 
     def __call__(self, arrays: dict, name: str) -> nnx.Param:
         dtype = self.dtype if name in MATRICES else jnp.float32

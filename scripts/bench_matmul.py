@@ -1,13 +1,14 @@
-"""The bf16 layer matmuls of a decode or prompt step on CPU: the native kernel's AMX and
-AVX512-BF16 paths against XLA's dot, side by side in one run.
+"""The layer matmuls of a decode or prompt step on CPU: the native kernel's AMX, AVX512-BF16
+and AVX2 paths against XLA's dot, side by side in one run (bf16 weights, or --dtype float32:
+the AVX2 path and XLA).
 
 A SmolLM2-135M-shaped stack (30 layers of q/k/v [960, 576], o [576, 576], gate/up
-[3072, 576], down [576, 1536], random bf16 weights, every matrix its own as in a real step:
+[3072, 576], down [576, 1536], random weights, every matrix its own as in a real step:
 212 MB, past any L2) and the [49152, 576] vocab head, chained in one jitted call at each row count;
 median of --iters calls, with the weight bytes read per ms (GB/s). A path that does not serve
 a shape prints "-".
 
-    python scripts/bench_matmul.py [--rows 1,8,16,32,64,512] [--iters 7]
+    python scripts/bench_matmul.py [--rows 1,8,16,32,64,512] [--iters 7] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -25,14 +26,18 @@ LAYERS, HIDDEN, INTER, QKV, VOCAB = 30, 576, 1536, 960, 49152
 
 def matmul(path: str):
     if path == "xla":
-        return lambda x, w: jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+        return lambda x, w: jnp.einsum("mi,oi->mo", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if path == "avx2":
+        return cpu_matmul.matmul_avx2
     return lambda x, w: cpu_matmul.matmul_bf16(x, w, amx=path == "amx")
 
 
-def serves(path: str, rows: int) -> bool:
+def serves(path: str, rows: int, dtype) -> bool:
     if path == "xla":
         return True
-    if not cpu_matmul.available() or (path == "amx" and not cpu_matmul.amx_available()):
+    if path == "avx2":
+        return cpu_matmul.avx2_available() and rows <= 64
+    if dtype != jnp.bfloat16 or not cpu_matmul.available() or (path == "amx" and not cpu_matmul.amx_available()):
         return False
     return path == "amx" or rows <= cpu_matmul.MAX_ROWS
 
@@ -51,20 +56,24 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16,32,64,512")
     p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = p.parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    layers = [[jnp.asarray(rng.standard_normal(s) * 0.02, jnp.bfloat16) for s in shapes] for _ in range(LAYERS)]
-    head = jnp.asarray(rng.standard_normal((VOCAB, HIDDEN)) * 0.02, jnp.bfloat16)
-    layer_mb = sum(w.size * 2 for ws in layers for w in ws) / 1e6
-    print(f"AMX: {cpu_matmul.amx_available()}; layers {layer_mb:.0f} MB, head {head.size * 2 / 1e6:.0f} MB of bf16")
-    paths = ["amx", "avx512", "xla"]
+    layers = [[jnp.asarray(rng.standard_normal(s) * 0.02, dtype) for s in shapes] for _ in range(LAYERS)]
+    head = jnp.asarray(rng.standard_normal((VOCAB, HIDDEN)) * 0.02, dtype)
+    layer_mb = sum(w.size * dtype.itemsize for ws in layers for w in ws) / 1e6
+    head_mb = head.size * dtype.itemsize / 1e6
+    print(f"AMX: {cpu_matmul.amx_available()}, AVX512-BF16: {cpu_matmul.available()}, AVX2: "
+          f"{cpu_matmul.avx2_available()}; layers {layer_mb:.0f} MB, head {head_mb:.0f} MB of {dtype.name}")
+    paths = (["amx", "avx512"] if dtype == jnp.bfloat16 else []) + ["avx2", "xla"]
     print(f"{'rows':>5s} " + " ".join(f"{p + ' layers':>22s} {p + ' head':>18s}" for p in paths))
     for rows in [int(r) for r in args.rows.split(",")]:
         x = jnp.asarray(rng.standard_normal((rows, HIDDEN)), jnp.float32)
         cells = []
         for path in paths:
-            if not serves(path, rows):
+            if not serves(path, rows, dtype):
                 cells.append(f"{'-':>22s} {'-':>18s}")
                 continue
             mm = matmul(path)
@@ -78,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             ms = timed(jax.jit(stack), (x, layers), args.iters)
             head_ms = timed(jax.jit(lambda x, mm=mm: mm(x, head)), (x,), args.iters)
             cells.append(f"{ms:8.1f} ms {layer_mb / ms:5.1f} GB/s {head_ms:6.1f} ms "
-                         f"{head.size * 2 / 1e6 / head_ms:4.1f} GB/s")
+                         f"{head_mb / head_ms:4.1f} GB/s")
         print(f"{rows:5d} " + " ".join(cells), flush=True)
 
 

@@ -9,10 +9,15 @@ in float32; the order of the sums differs, so results agree to float32 rounding)
   compute XLA:CPU's dot reaches.
 - AVX512-BF16 otherwise: decode-sized M (at most MAX_ROWS rows), where XLA:CPU's library dot
   reads the weights at a fraction of the memory bandwidth.
+`matmul_avx2(x, w)` (cpu_matmul_avx2.cc) serves CPUs with AVX2 and FMA but no AVX512-BF16 (AMD
+Zen 2/3, older Intel), for bf16 weights (widened as read, x rounded to bf16 as above) and for
+float32 weights on any such CPU: decode-sized M (AVX2_MAX_ROWS), where XLA:CPU's dot
+ran several times slower than the weights stream in. `matmul(x, w)` picks the path for w's
+dtype; `supported(m, i, o, dtype)` says whether one serves a shape.
 Needs a C++ compiler (built at first use, pallas_kernels/native_build.py).
-PAGEDJAX_NATIVE_MATMUL=0 turns the kernel off, PAGEDJAX_AMX=0 its AMX path.
+PAGEDJAX_NATIVE_MATMUL=0 turns the kernels off, PAGEDJAX_AMX=0 the AMX path.
 
-    y = matmul_bf16(jnp.ones((16, 576)), w)   # w: [1536, 576] bfloat16 -> y [16, 1536]
+    y = matmul(jnp.ones((16, 576)), w)   # w: [1536, 576] bfloat16 or float32 -> y [16, 1536]
 """
 from __future__ import annotations
 
@@ -29,11 +34,19 @@ from pallas_kernels import native_build
 
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _TARGET, _SYMBOL = "pagedjax_matmul_bf16", "MatmulBF16"
+_AVX2_SOURCE = Path(__file__).with_name("cpu_matmul_avx2.cc")
+_AVX2_TARGETS = {"float32": ("pagedjax_matmul_avx2_f32", "MatmulAvx2F32"),
+                 "bfloat16": ("pagedjax_matmul_avx2_bf16", "MatmulAvx2BF16")}
+# AVX2 path, by weight dtype; larger M: XLA's dot (scripts/bench_matmul.py on a 2-core AMD EPYC:
+# float32 layers at 2-16 rows 24-48 ms against XLA's 38-57, at 32 rows 89 against 73; bf16 layers
+# at 1 row 15 ms against 210, at 16-32 rows 52-95 against 60-102)
+AVX2_MAX_ROWS = {"bfloat16": 32, "float32": 16}
 MAX_ROWS = 32  # AVX512-BF16 path; larger M: XLA's dot (both are compute-bound there; XLA tiles it better)
 AMX_MAX_ROWS = 64  # what `supported` offers the AMX path; larger M: XLA's dot, which uses AMX too and
 #                    tiles prompt-sized shapes better (scripts/bench_matmul.py: even at ~96 rows)
 log = logging.getLogger(__name__)
 _lib: list = []  # the loaded library (amx_available asks it)
+_avx2_lib: list = []  # the AVX2 kernel's library, kept loaded
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -56,6 +69,23 @@ def available() -> bool:
 
 
 @functools.cache
+def avx2_available() -> bool:
+    """True when the AVX2 kernel is built and registered (a CPU with AVX2 and FMA)."""
+    if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0" or not {"avx2", "fma"} <= set(
+            native_build.cpu_signature().split()):
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(native_build.build(_AVX2_SOURCE)))
+        for target, symbol in _AVX2_TARGETS.values():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        log.warning("native CPU AVX2 matmul unavailable, using XLA's dot: %s", e)
+        return False
+    _avx2_lib.append(lib)
+    return True
+
+
+@functools.cache
 def amx_available() -> bool:
     """True when the kernel is built and Linux grants this process the AMX tile state."""
     if os.environ.get("PAGEDJAX_AMX", "1") == "0" or not available():
@@ -63,14 +93,40 @@ def amx_available() -> bool:
     return bool(_lib[0].PagedjaxAmxReady())
 
 
-def supported(m: int, i: int, o: int) -> bool:
-    """The kernel serves x [m, i] . w [o, i]^T here: CPU backend, kernel built, i % 32 == 0,
-    and with AMX o % 16 == 0 and m <= AMX_MAX_ROWS, else m <= MAX_ROWS and o % 4 == 0."""
-    if m <= 0 or i % 32 != 0 or jax.default_backend() != "cpu" or not available():
+def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
+    """A kernel serves x [m, i] . w [o, i]^T, w in `dtype`, here (CPU backend, kernel built).
+    bf16 with AVX512-BF16: i % 32 == 0, and with AMX o % 16 == 0 and m <= AMX_MAX_ROWS, else
+    m <= MAX_ROWS and o % 4 == 0. Otherwise (float32 always) the AVX2 path: m at most
+    AVX2_MAX_ROWS[dtype] and i % 8 == 0."""
+    if m <= 0 or jax.default_backend() != "cpu":
+        return False
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
+        return False
+    if jnp.dtype(dtype) == jnp.float32 or not available():
+        return m <= AVX2_MAX_ROWS[jnp.dtype(dtype).name] and i % 8 == 0 and avx2_available()
+    if i % 32 != 0:
         return False
     if o % 16 == 0 and amx_available():
         return m <= AMX_MAX_ROWS
     return m <= MAX_ROWS and o % 4 == 0
+
+
+def target(dtype) -> str | None:
+    """The custom-call target that `matmul` runs for weights of `dtype` here (None: XLA's dot)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and available():
+        return _TARGET
+    if dtype.name in _AVX2_TARGETS and avx2_available():
+        return _AVX2_TARGETS[dtype.name][0]
+    return None
+
+
+def max_rows(dtype) -> int:
+    """The most rows `matmul` takes for weights of `dtype` here (0: none)."""
+    name = target(dtype)
+    if name == _TARGET:
+        return AMX_MAX_ROWS if amx_available() else MAX_ROWS
+    return AVX2_MAX_ROWS[jnp.dtype(dtype).name] if name else 0
 
 
 def matmul_bf16(x, w, amx: bool | None = None):
@@ -90,6 +146,30 @@ def matmul_bf16(x, w, amx: bool | None = None):
                          f"{'AMX' if amx else 'AVX512-BF16'} path (see supported())")
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((m, o), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), w, amx=amx)
+
+
+def matmul_avx2(x, w):
+    """x [M, I] float32, w [O, I] float32 or bfloat16 -> [M, O] float32 on the AVX2 path
+    (bf16 w: x rounded to bf16 first, as matmul_bf16 does); I % 8 == 0, any M and O."""
+    dtype = jnp.dtype(w.dtype).name
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or dtype not in _AVX2_TARGETS:
+        raise ValueError(f"matmul_avx2: x [M, I] and w [O, I] float32 or bfloat16, got {x.shape} {x.dtype}, "
+                         f"{w.shape} {w.dtype}")
+    if x.shape[1] % 8:
+        raise ValueError(f"matmul_avx2: I must be a multiple of 8, got {x.shape[1]}")
+    if not avx2_available():
+        raise RuntimeError("matmul_avx2 needs a CPU with AVX2 and FMA and a C++ compiler (see avx2_available())")
+    call = jax.ffi.ffi_call(_AVX2_TARGETS[dtype][0], jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w)
+
+
+def matmul(x, w):
+    """x [M, I] @ w [O, I]^T -> [M, O] float32 on the native path that serves w's dtype here
+    (check `supported` first)."""
+    if jnp.dtype(w.dtype) == jnp.bfloat16 and available():
+        return matmul_bf16(x, w)
+    return matmul_avx2(x, w)
 
 
 def matmul_bf16_reference(x, w):

@@ -22,7 +22,7 @@
 // no -ffast-math: with GCC 12 it links crtfastmath.o, which turns on flush-to-zero for the
 // whole process).
 #include <algorithm>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -125,6 +125,41 @@ inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) {
       _mm512_storeu_ps(kt + (c + 12 + j) * kTile, _mm512_shuffle_f32x4(v1, v3, 0xDD));
     }
   }
+}
+#elif defined(__AVX2__)
+// Row t of an 8 x 8 block of k (starting at column c) as 8 f32 lanes; zeros for t >= n.
+inline __m256 LoadRow8(const float* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+  return t < n ? _mm256_loadu_ps(k + t * d + c) : _mm256_setzero_ps();
+}
+inline __m256 LoadRow8(const uint16_t* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+  if (t >= n) return _mm256_setzero_ps();
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k + t * d + c));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16 -> f32
+}
+
+// AVX2 (no AVX-512): the same, 8 x 8 blocks at a time (D a multiple of 8).
+template <typename P>
+inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) {
+  if (d % 8 != 0) return TransposeTileScalar(k, n, d, kt);
+  for (int64_t t0 = 0; t0 < kTile; t0 += 8)
+    for (int64_t c = 0; c < d; c += 8) {
+      __m256 r[8], t[8];
+      for (int64_t i = 0; i < 8; ++i) r[i] = LoadRow8(k, t0 + i, n, d, c);
+      for (int i = 0; i < 8; i += 2) {  // pairs of rows, within 128-bit lanes
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // r[i + j], lane L: column 4 L + j of rows i..i+3
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int j = 0; j < 4; ++j) {  // columns j and 4 + j: the low / high 128-bit halves of rows 0-3 and 4-7
+        _mm256_storeu_ps(kt + (c + j) * kTile + t0, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
+        _mm256_storeu_ps(kt + (c + 4 + j) * kTile + t0, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+      }
+    }
 }
 #else
 template <typename P>
