@@ -1,11 +1,23 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ["PAGEDJAX_COMPILE_CACHE"] = "0"  # tests count compilations; keep them in-process
+# One persistent compilation cache for the session (and its subprocesses), in a fresh folder: the
+# many small engines built here compile the same steps again and again. A load from it still counts
+# in num_compilations (JAX's backend_compile event wraps compile-or-load), so the tests that count
+# compilations see the same numbers. PAGEDJAX_TEST_COMPILE_CACHE=0 compiles everything anew.
+if os.environ.get("PAGEDJAX_TEST_COMPILE_CACHE", "1") == "0":
+    os.environ["PAGEDJAX_COMPILE_CACHE"] = "0"
+else:
+    _cache_dir = tempfile.mkdtemp(prefix="pagedjax-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ.update(PAGEDJAX_COMPILE_CACHE="1", JAX_COMPILATION_CACHE_DIR=_cache_dir)
 # dtype="auto" is bfloat16 on CPUs with AVX512-BF16/AMX (models/dtypes.py); the suite compares with
 # float32 transformers token for token, so "auto" means float32 here (subprocesses inherit it); the
 # bf16 paths are tested with dtype="bfloat16" explicitly. PAGEDJAX_AUTO_DTYPE=bfloat16 runs all in bf16.

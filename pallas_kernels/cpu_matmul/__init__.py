@@ -49,40 +49,33 @@ _lib: list = []  # the loaded library (amx_available asks it)
 _avx2_lib: list = []  # the AVX2 kernel's library, kept loaded
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    return "avx512_bf16" in native_build.cpu_signature().split()
+def _load(source: Path, targets, cpu_flags: set, kept: list, what: str) -> bool:
+    """Build `source`, register its (target, symbol) pairs with XLA and keep the library in
+    `kept`; False (with a warning when the build fails) where the CPU or compiler can't serve."""
+    if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0" or not cpu_flags <= set(
+            native_build.cpu_signature().split()):
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(native_build.build(source)))
+        for target, symbol in targets:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        log.warning("native CPU %s matmul unavailable, using XLA's dot: %s", what, e)
+        return False
+    kept.append(lib)
+    return True
 
 
 @functools.cache
 def available() -> bool:
-    """True when the kernel is built and registered with XLA (at most one build per process)."""
-    if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0" or not _cpu_has_avx512_bf16():
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(native_build.build(_SOURCE)))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        log.warning("native CPU bf16 matmul unavailable, using XLA's dot: %s", e)
-        return False
-    _lib.append(lib)
-    return True
+    """True when the AVX512-BF16 kernel is built and registered with XLA (one build per process)."""
+    return _load(_SOURCE, [(_TARGET, _SYMBOL)], {"avx512_bf16"}, _lib, "bf16")
 
 
 @functools.cache
 def avx2_available() -> bool:
     """True when the AVX2 kernel is built and registered (a CPU with AVX2 and FMA)."""
-    if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0" or not {"avx2", "fma"} <= set(
-            native_build.cpu_signature().split()):
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(native_build.build(_AVX2_SOURCE)))
-        for target, symbol in _AVX2_TARGETS.values():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        log.warning("native CPU AVX2 matmul unavailable, using XLA's dot: %s", e)
-        return False
-    _avx2_lib.append(lib)
-    return True
+    return _load(_AVX2_SOURCE, _AVX2_TARGETS.values(), {"avx2", "fma"}, _avx2_lib, "AVX2")
 
 
 @functools.cache

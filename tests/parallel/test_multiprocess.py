@@ -25,6 +25,7 @@ def test_two_processes_tp4_match_transformers_and_one_process(tiny_checkpoints):
     path, torch_model = tiny_checkpoints("llama")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PAGEDJAX_COMPILE_CACHE"] = "0"  # two processes compiling one program: no shared cache folder
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(path), str(port), str(i)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
     results = []
