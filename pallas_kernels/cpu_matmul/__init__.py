@@ -45,37 +45,42 @@ MAX_ROWS = 32  # AVX512-BF16 path; larger M: XLA's dot (both are compute-bound t
 AMX_MAX_ROWS = 64  # what `supported` offers the AMX path; larger M: XLA's dot, which uses AMX too and
 #                    tiles prompt-sized shapes better (scripts/bench_matmul.py: even at ~96 rows)
 log = logging.getLogger(__name__)
-_lib: list = []  # the loaded library (amx_available asks it)
-_avx2_lib: list = []  # the AVX2 kernel's library, kept loaded
 
 
-def _load(source: Path, targets, cpu_flags: set, kept: list, what: str) -> bool:
-    """Build `source`, register its (target, symbol) pairs with XLA and keep the library in
-    `kept`; False (with a warning when the build fails) where the CPU or compiler can't serve."""
+def _load(source: Path, targets, cpu_flags: set, what: str) -> ctypes.CDLL | None:
+    """Build `source` and register its (target, symbol) pairs with XLA: the library, or None
+    (with a warning when the build fails) where the CPU or compiler can't serve."""
     if os.environ.get("PAGEDJAX_NATIVE_MATMUL", "1") == "0" or not cpu_flags <= set(
             native_build.cpu_signature().split()):
-        return False
+        return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(native_build.build(source)))
         for target, symbol in targets:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         log.warning("native CPU %s matmul unavailable, using XLA's dot: %s", what, e)
-        return False
-    kept.append(lib)
-    return True
+        return None
+    return lib
 
 
 @functools.cache
+def _bf16_lib() -> ctypes.CDLL | None:  # cached: one build per process, the library kept loaded
+    return _load(_SOURCE, [(_TARGET, _SYMBOL)], {"avx512_bf16"}, "bf16")
+
+
+@functools.cache
+def _avx2_lib() -> ctypes.CDLL | None:
+    return _load(_AVX2_SOURCE, _AVX2_TARGETS.values(), {"avx2", "fma"}, "AVX2")
+
+
 def available() -> bool:
     """True when the AVX512-BF16 kernel is built and registered with XLA (one build per process)."""
-    return _load(_SOURCE, [(_TARGET, _SYMBOL)], {"avx512_bf16"}, _lib, "bf16")
+    return _bf16_lib() is not None
 
 
-@functools.cache
 def avx2_available() -> bool:
     """True when the AVX2 kernel is built and registered (a CPU with AVX2 and FMA)."""
-    return _load(_AVX2_SOURCE, _AVX2_TARGETS.values(), {"avx2", "fma"}, _avx2_lib, "AVX2")
+    return _avx2_lib() is not None
 
 
 @functools.cache
@@ -83,7 +88,7 @@ def amx_available() -> bool:
     """True when the kernel is built and Linux grants this process the AMX tile state."""
     if os.environ.get("PAGEDJAX_AMX", "1") == "0" or not available():
         return False
-    return bool(_lib[0].PagedjaxAmxReady())
+    return bool(_bf16_lib().PagedjaxAmxReady())
 
 
 def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
