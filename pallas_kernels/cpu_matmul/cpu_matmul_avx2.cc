@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -27,6 +28,24 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 48;  // output features per task (a multiple of both tiles' kO)
+
+// Cache-line aligned floats for the kernel's own copies of x and of widened bf16 weights. A plain
+// vector is only 16-byte aligned: then half of the 32-byte loads straddle two lines and cost
+// two, and which copy lands where changed from run to run (bf16 at 32 rows: 59 or 77 ms).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+using Floats = std::vector<float, LineAligned<float>>;
 
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Load8(const uint16_t* p) {  // 8 bf16 -> f32: the bf16 bits are an f32's top half
@@ -40,16 +59,26 @@ inline float Sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// A span of weight memory for a tile to pull into the caches while it computes (up to two
+// 64-byte lines per step of 8 inputs): the weight tile it meets next, so that each tile's
+// first pass is not stalled on memory (a 2-core EPYC, 16 rows: 3.4 -> 4.4 G FMA/s).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+
 // y[m0 + r, o0 + j] for r < kR, j < n_outs (<= kO) from x [M_pad, I] (f32) and wr, the weight
 // rows o0 .. o0 + kO (row stride I).
 template <int kR, int kO, typename W>
 inline void Tile(const float* __restrict x, const W* __restrict wr, int64_t in, int64_t m0, int64_t o0,
-                 int64_t n_outs, int64_t m, int64_t out, float* __restrict y) {
+                 int64_t n_outs, int64_t m, int64_t out, float* __restrict y, Prefetch pf = {}) {
   __m256 acc[kR][kO];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   const float* xr = x + m0 * in;
-  for (int64_t c = 0; c < in; c += 8) {
+  for (int64_t c = 0, line = 0; c < in; c += 8, line += 2) {
+    if (line < pf.lines) _mm_prefetch(pf.p + line * 64, _MM_HINT_T0);
+    if (line + 1 < pf.lines) _mm_prefetch(pf.p + (line + 1) * 64, _MM_HINT_T0);
     __m256 wv[kO];
     for (int j = 0; j < kO; ++j) wv[j] = Load8(wr + j * in + c);
     for (int r = 0; r < kR; ++r) {
@@ -66,16 +95,23 @@ inline void Tile(const float* __restrict x, const W* __restrict wr, int64_t in, 
 template <int kR, int kO, typename W>
 void Block(const float* x, const W* w, int64_t in, int64_t m, int64_t m_pad, int64_t out, int64_t o_begin,
            int64_t o_end, float* y) {
-  thread_local std::vector<float> wide;
+  thread_local Floats wide;
   const bool widen = !std::is_same_v<W, float> && m_pad > kR;
   if (widen) wide.resize(kO * in);
+  // the next tile's weights, split evenly over this tile's row tiles
+  const int64_t row_tiles = m_pad / kR;
+  const int64_t lines_per_tile = (kO * in * int64_t(sizeof(W)) / 64 + row_tiles - 1) / row_tiles;
   int64_t o0 = o_begin;
   for (; o0 + kO <= o_end; o0 += kO) {
-    if (widen) {
-      for (int64_t i = 0; i < kO * in; i += 8) _mm256_storeu_ps(wide.data() + i, Load8(w + o0 * in + i));
-      for (int64_t m0 = 0; m0 < m_pad; m0 += kR) Tile<kR, kO>(x, wide.data(), in, m0, o0, kO, m, out, y);
-    } else {
-      for (int64_t m0 = 0; m0 < m_pad; m0 += kR) Tile<kR, kO>(x, w + o0 * in, in, m0, o0, kO, m, out, y);
+    const char* next = reinterpret_cast<const char*>(w + (o0 + kO) * in);
+    const int64_t next_lines = o0 + 2 * kO <= o_end ? lines_per_tile : 0;
+    const W* wr = w + o0 * in;
+    if (widen)
+      for (int64_t i = 0; i < kO * in; i += 8) _mm256_storeu_ps(wide.data() + i, Load8(wr + i));
+    for (int64_t m0 = 0, t = 0; m0 < m_pad; m0 += kR, ++t) {
+      const Prefetch pf{next + t * lines_per_tile * 64, next_lines};
+      if (widen) Tile<kR, kO>(x, wide.data(), in, m0, o0, kO, m, out, y, pf);
+      else Tile<kR, kO>(x, wr, in, m0, o0, kO, m, out, y, pf);
     }
   }
   for (; o0 < o_end; ++o0)
@@ -104,7 +140,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int kR = m >= 2 ? 2 : 1;
   const int64_t m_pad = (m + kR - 1) / kR * kR;
   // x, bf16-rounded for bf16 weights, zero rows up to a multiple of kR
-  std::vector<float> xs(m_pad * in, 0.f);
+  Floats xs(m_pad * in, 0.f);
   const float* xp = x.typed_data();
   if constexpr (kW == ffi::DataType::F32) {
     std::copy(xp, xp + m * in, xs.begin());

@@ -61,7 +61,7 @@ def test_amx_path_odd_shapes(m, o, i):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 29, 64])
 @pytest.mark.parametrize("o,i", [(1, 8), (7, 40), (50, 64), (960, 576), (576, 1536)])
 def test_avx2_path_matches_the_reference(m, o, i, dtype):
-    """Every tile shape (4 x 3, 2 x 4, 1 x 8 by M; padded rows), remainders of O past the tile
+    """Both tile shapes (2 x 6, 1 x 8 by M; padded rows), remainders of O past the tile
     and the task block (O = 1, 7, 50), bf16 and float32 weights."""
     rng = np.random.default_rng(m * 7 + o + i)
     x = jnp.asarray(rng.standard_normal((m, i)), jnp.float32)
