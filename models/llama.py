@@ -223,6 +223,5 @@ class CausalLM(nnx.Module):
     def logits(self, hidden):
         """hidden [..., E] -> float32 logits [..., V]."""
         head = self.embed[...] if self.lm_head is None else self.lm_head[...]
-        # the native kernel for decode-sized heads only: from ~48 rows XLA's dot is faster on
-        # the wide head (scripts/bench_matmul.py)
-        return linear(hidden, head, self.native_head and hidden.shape[0] <= 32)
+        # the native kernel for decode-sized heads only (scripts/bench_matmul.py)
+        return linear(hidden, head, self.native_head and hidden.shape[0] <= cpu_matmul.head_max_rows(head.dtype))

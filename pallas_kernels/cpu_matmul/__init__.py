@@ -37,10 +37,10 @@ _TARGET, _SYMBOL = "pagedjax_matmul_bf16", "MatmulBF16"
 _AVX2_SOURCE = Path(__file__).with_name("cpu_matmul_avx2.cc")
 _AVX2_TARGETS = {"float32": ("pagedjax_matmul_avx2_f32", "MatmulAvx2F32"),
                  "bfloat16": ("pagedjax_matmul_avx2_bf16", "MatmulAvx2BF16")}
-# AVX2 path, by weight dtype; larger M: XLA's dot (scripts/bench_matmul.py on a 2-core AMD EPYC:
-# float32 layers at 2-16 rows 24-48 ms against XLA's 38-57, at 32 rows 89 against 73; bf16 layers
-# at 1 row 15 ms against 210, at 16-32 rows 52-95 against 60-102)
-AVX2_MAX_ROWS = {"bfloat16": 32, "float32": 16}
+# AVX2 path, by weight dtype; larger M: XLA's dot (scripts/bench_matmul.py on a 2-core AMD EPYC,
+# layers + head: float32 at 16 rows 47 ms against XLA's 65, at 32 rows 77 against 91, at 48 rows
+# 101 against 110, at 64 rows 132 against 136; bf16 at 16-64 rows 49-138 against 72-199)
+AVX2_MAX_ROWS = {"bfloat16": 64, "float32": 48}
 MAX_ROWS = 32  # AVX512-BF16 path; larger M: XLA's dot (both are compute-bound there; XLA tiles it better)
 AMX_MAX_ROWS = 64  # what `supported` offers the AMX path; larger M: XLA's dot, which uses AMX too and
 #                    tiles prompt-sized shapes better (scripts/bench_matmul.py: even at ~96 rows)
@@ -125,6 +125,13 @@ def max_rows(dtype) -> int:
     if name == _TARGET:
         return AMX_MAX_ROWS if amx_available() else MAX_ROWS
     return AVX2_MAX_ROWS[jnp.dtype(dtype).name] if name else 0
+
+
+def head_max_rows(dtype) -> int:
+    """The most rows `matmul` should take for a wide vocab head of `dtype` here: the AMX and
+    AVX512-BF16 path up to 32 (from ~48 XLA's dot, AMX too, is faster on it), the AVX2 path
+    as for any matrix."""
+    return min(32, max_rows(dtype)) if target(dtype) == _TARGET else max_rows(dtype)
 
 
 def matmul_bf16(x, w, amx: bool | None = None):
