@@ -1,6 +1,7 @@
 """The layer matmuls of a decode or prompt step on CPU: the native kernel's AMX, AVX512-BF16
 and AVX2 paths against XLA's dot, side by side in one run (bf16 weights, or --dtype float32:
-the AVX2 path and XLA).
+the AVX2 path and XLA). With bf16 also "xla-f32": the weights widened to f32 in the call, then
+XLA's float32 dot (what models.llama.linear does for prompt-sized bf16 matmuls on AVX2 CPUs).
 
 A SmolLM2-135M-shaped stack (30 layers of q/k/v [960, 576], o [576, 576], gate/up
 [3072, 576], down [576, 1536], random weights, every matrix its own as in a real step:
@@ -27,13 +28,15 @@ LAYERS, HIDDEN, INTER, QKV, VOCAB = 30, 576, 1536, 960, 49152
 def matmul(path: str):
     if path == "xla":
         return lambda x, w: jnp.einsum("mi,oi->mo", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if path == "xla-f32":  # bf16 weights widened to f32 in the call, then XLA's f32 dot (models.llama.linear)
+        return lambda x, w: jnp.einsum("mi,oi->mo", x.astype(w.dtype).astype(jnp.float32), w.astype(jnp.float32))
     if path == "avx2":
         return cpu_matmul.matmul_avx2
     return lambda x, w: cpu_matmul.matmul_bf16(x, w, amx=path == "amx")
 
 
 def serves(path: str, rows: int, dtype) -> bool:
-    if path == "xla":
+    if path == "xla" or path == "xla-f32":
         return True
     if path == "avx2":
         return cpu_matmul.avx2_available() and rows <= 64
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"AMX: {cpu_matmul.amx_available()}, AVX512-BF16: {cpu_matmul.available()}, AVX2: "
           f"{cpu_matmul.avx2_available()}; layers {layer_mb:.0f} MB, head {head_mb:.0f} MB of {dtype.name}")
     paths = (["amx", "avx512"] if dtype == jnp.bfloat16 else []) + ["avx2", "xla"]
+    paths += ["xla-f32"] if dtype == jnp.bfloat16 else []
     print(f"{'rows':>5s} " + " ".join(f"{p + ' layers':>22s} {p + ' head':>18s}" for p in paths))
     for rows in [int(r) for r in args.rows.split(",")]:
         x = jnp.asarray(rng.standard_normal((rows, HIDDEN)), jnp.float32)
