@@ -36,20 +36,6 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
-def linear(x, w, native: bool = False):
-    """x [..., in] @ w[out, in].T -> [..., out] in float32. A narrower w (bf16) takes x
-    rounded to its dtype and accumulates in float32; never the reverse (that would convert
-    the whole weight every step). native: decode-sized x [M, in] goes to the CPU kernel
-    (pallas_kernels.cpu_matmul) where one serves the shape and w's dtype; same result up to
-    float32 rounding."""
-    if native and x.ndim == 2 and cpu_matmul.supported(x.shape[0], w.shape[1], w.shape[0], w.dtype):
-        return cpu_matmul.matmul(x, w)
-    if native and w.dtype == jnp.bfloat16 and x.size // x.shape[-1] >= WIDEN_BF16_MIN_ROWS and _cpu_lacks_bf16():
-        # bf16 x bf16 products are exact in float32: the same sums as the bf16 dot below
-        return jnp.einsum("...i,oi->...o", x.astype(w.dtype).astype(jnp.float32), w.astype(jnp.float32))
-    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-
 # Prompt-sized bf16 matmuls on a CPU without bf16 arithmetic (AVX2 only) take XLA's float32 dot
 # on the weights widened to f32, not XLA's bf16 dot: on a 2-core AMD EPYC, SmolLM2-135M's 30
 # layers at 256 rows 483 against 544 ms, at 512 rows 808 against 1068; at 128 rows the bf16
@@ -60,6 +46,21 @@ WIDEN_BF16_MIN_ROWS = 256
 @functools.cache
 def _cpu_lacks_bf16() -> bool:
     return not dtypes.has_fast_bf16("cpu")
+
+
+def linear(x, w, native: bool = False):
+    """x [..., in] @ w[out, in].T -> [..., out] in float32. A narrower w (bf16) takes x
+    rounded to its dtype and accumulates in float32; w is not widened to x's dtype (that
+    converts the whole weight every step), except on a CPU without bf16 arithmetic from
+    WIDEN_BF16_MIN_ROWS rows, where that pays. native: decode-sized x [M, in] goes to the CPU
+    kernel (pallas_kernels.cpu_matmul) where one serves the shape and w's dtype; same result
+    up to float32 rounding."""
+    if native and x.ndim == 2 and cpu_matmul.supported(x.shape[0], w.shape[1], w.shape[0], w.dtype):
+        return cpu_matmul.matmul(x, w)
+    if native and w.dtype == jnp.bfloat16 and x.size // x.shape[-1] >= WIDEN_BF16_MIN_ROWS and _cpu_lacks_bf16():
+        # bf16 x bf16 products are exact in float32: the same sums as the bf16 dot below
+        return jnp.einsum("...i,oi->...o", x.astype(w.dtype).astype(jnp.float32), w.astype(jnp.float32))
+    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def rope_cos_sin(positions, inv_freq):

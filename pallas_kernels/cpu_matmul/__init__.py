@@ -44,6 +44,7 @@ AVX2_MAX_ROWS = {"bfloat16": 64, "float32": 48}
 MAX_ROWS = 32  # AVX512-BF16 path; larger M: XLA's dot (both are compute-bound there; XLA tiles it better)
 AMX_MAX_ROWS = 64  # what `supported` offers the AMX path; larger M: XLA's dot, which uses AMX too and
 #                    tiles prompt-sized shapes better (scripts/bench_matmul.py: even at ~96 rows)
+HEAD_MAX_ROWS = 32  # AMX / AVX512-BF16 path on a wide vocab head: from ~48 rows XLA's dot (AMX too) is faster
 log = logging.getLogger(__name__)
 
 
@@ -129,9 +130,8 @@ def max_rows(dtype) -> int:
 
 def head_max_rows(dtype) -> int:
     """The most rows `matmul` should take for a wide vocab head of `dtype` here: the AMX and
-    AVX512-BF16 path up to 32 (from ~48 XLA's dot, AMX too, is faster on it), the AVX2 path
-    as for any matrix."""
-    return min(32, max_rows(dtype)) if target(dtype) == _TARGET else max_rows(dtype)
+    AVX512-BF16 path up to HEAD_MAX_ROWS, the AVX2 path as for any matrix."""
+    return HEAD_MAX_ROWS if target(dtype) == _TARGET else max_rows(dtype)
 
 
 def matmul_bf16(x, w, amx: bool | None = None):
