@@ -15,8 +15,12 @@ namespace pagedjax {
 
 constexpr std::chrono::microseconds kSpin{100};
 
-// Runs task(i) for i < n on the calling thread and up to pool.num_threads() helpers. The
-// caller waits only for tasks a helper has claimed, so a busy pool cannot deadlock it.
+// Runs task(i) for i < n on the calling thread and up to pool.num_threads() - 1 helpers: as
+// many threads as the pool has, the caller counted (XLA:CPU's pool has one per core, and the
+// caller is busy too; one more thread time-slices a core, and a task descheduled in mid-run
+// holds up the whole call: a 2-core AMD EPYC, f32 decode layers at 8 rows, 32-39 -> 23-37
+// ms, scripts/bench_matmul.py). The caller waits only for tasks a helper has claimed, so a
+// busy pool cannot deadlock it.
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F task) {
   struct State {
@@ -35,7 +39,7 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F task) {
       }
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
   work();
   // the helpers' last tasks are usually microseconds from done: spin up to kSpin before
