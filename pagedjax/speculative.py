@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +22,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 MAX_SPECULATIVE_TOKENS = 16
 COST_SAMPLES = 9  # recent wall times a MeasuredCosts keeps per size
+# recent measurements (any size) a MeasuredCosts reads the machine's pace from; fewer than
+# COST_SAMPLES, so that a change of pace moves the pace before it moves the sizes' own costs
+PACE_SAMPLES = 5
 
 
 @dataclass(frozen=True)
@@ -149,31 +153,43 @@ def acceptance_estimate(num_accepted: int, num_drafted: int) -> float:
 
 
 class MeasuredCosts:
-    """Wall seconds by size (a step's T, a draft model's depth): the median of the last
-    COST_SAMPLES measurements of that size (a median: one run slowed by a neighbour, or a first
-    run, must not make a size look expensive for long). An unmeasured size costs what the
-    nearest measured one does, an optimistic guess, so it is tried once and then known;
-    `unmeasured(size)` when nothing is measured yet."""
+    """Wall seconds by size (a step's T, a draft model's depth), on a machine whose speed
+    changes from minute to minute (neighbours, clocks). Each measurement is split into the
+    machine's pace when it was taken and the size's own cost at pace 1: the pace is the median
+    ratio of the last PACE_SAMPLES measurements (of sizes with a cost already) to their cost at
+    pace 1, and a size's cost at pace 1 the median of its last COST_SAMPLES measurements, each
+    divided by the pace then. A size costs that times the current pace. So a size that steps
+    rarely take, measured once in a slow minute, does not look expensive for good (the allocation
+    would never try it again), and one slow step moves nothing much. An unmeasured size costs
+    what the nearest measured one does, an optimistic guess, so it is tried once and then
+    known; `unmeasured(size)` when nothing is measured yet."""
 
     def __init__(self, unmeasured: Callable[[int], float]):
         self._unmeasured = unmeasured
-        self._samples: dict[int, collections.deque] = {}
-        self._median: dict[int, float] = {}
+        self._samples: dict[int, collections.deque] = {}  # size -> its last costs at pace 1
+        self._base: dict[int, float] = {}  # size -> the median of those
+        self._ratios: collections.deque = collections.deque(maxlen=PACE_SAMPLES)  # measured / cost at pace 1
+        self._pace = 1.0
 
     def add(self, size: int, seconds: float) -> None:
+        if self._base.get(size, 0.0) > 0.0:
+            self._ratios.append(seconds / self._base[size])
+            if len(self._ratios) >= 3:  # a median of one or two would follow a single slow step
+                self._pace = statistics.median(self._ratios)
         samples = self._samples.setdefault(size, collections.deque(maxlen=COST_SAMPLES))
-        samples.append(seconds)
-        self._median[size] = float(np.median(samples))
+        samples.append(seconds / self._pace)
+        self._base[size] = statistics.median(samples)
 
     def __call__(self, size: int) -> float:
-        if size in self._median:
-            return self._median[size]
-        if not self._median:
+        if not self._base:
             return self._unmeasured(size)
-        return self._median[min(self._median, key=lambda m: abs(m - size))]
+        if size not in self._base:
+            size = min(self._base, key=lambda m: abs(m - size))
+        return self._base[size] * self._pace
 
     def as_dict(self) -> dict[int, float]:
-        return dict(sorted(self._median.items()))
+        """Each measured size's cost now (seconds)."""
+        return {size: self(size) for size in sorted(self._base)}
 
 
 def draft_depth(rates: list[float], k: int, target_cost: Callable[[int], float],
