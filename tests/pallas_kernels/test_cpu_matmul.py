@@ -59,7 +59,7 @@ def test_amx_path_odd_shapes(m, o, i):
 @needs_avx2
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 29, 64])
-@pytest.mark.parametrize("o,i", [(1, 8), (7, 40), (50, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("o,i", [(1, 8), (7, 40), (50, 64), (960, 576), (576, 1536), (13, 2056)])  # 2056: chunks of I, uneven
 def test_avx2_path_matches_the_reference(m, o, i, dtype):
     """Both tile shapes (2 x 6, 1 x 8 by M; padded rows), remainders of O past the tile
     and the task block (O = 1, 7, 50), bf16 and float32 weights."""
