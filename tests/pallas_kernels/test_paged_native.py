@@ -102,3 +102,19 @@ def test_loading_the_kernel_keeps_denormals():
             "assert c.available(); print(float(np.float32(1e-38) / np.float32(100)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout) > 0
+
+
+def test_a_nan_stays_in_its_own_row():
+    """A NaN in one query row makes that row's output NaN (as the reference's softmax does) and
+    no other: the vectorized softmax must not turn it into a weight of 0."""
+    rng = np.random.default_rng(3)
+    hkv, nb, bs, d, h = 2, 40, 16, 64, 4
+    k, v = (jnp.asarray(rng.standard_normal((hkv, nb, bs, d)), jnp.float32) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(nb)[:16].reshape(2, 8), jnp.int32)
+    q = rng.standard_normal((6, h, d)).astype(np.float32)
+    q[0, 0, 0] = np.nan
+    out = np.asarray(cpu_native.packed_attention_native(
+        jnp.asarray(q), k, v, tables, jnp.array([37, 100], jnp.int32), jnp.array([0, 3], jnp.int32),
+        jnp.array([3, 3], jnp.int32), scale=0.125))
+    nan = np.isnan(out).any(-1)  # [token, head]
+    assert nan[0, 0] and nan.sum() == 1
