@@ -80,8 +80,8 @@ inline float ExpSoftmax(float x) {
 #if defined(__AVX2__) && defined(__FMA__)
 // ExpSoftmax on 8 lanes, the same steps: GCC left the softmax's loop over it scalar, and with
 // this (and the P.V accumulators in kDChunk pieces) the kernel alone, 30 layers of 8 sequences
-// x 200 keys on a 2-core AMD EPYC, went 5.0 -> 3.7-4.4 ms at 1 query token each, 11.6 -> 6.5-6.9
-// at 2, 12.9 -> 9.0-10.2 at 4 (in-process A/B runs).
+// x 200 keys on a 2-core AMD EPYC, went 4.3-4.5 -> 3.7 ms at 1 query token each, 7.2-9.1 ->
+// 5.9-6.9 at 2, 11.2-13.8 -> 8.7-10.2 at 4 (two in-process A/B runs, 25 alternated calls each).
 inline __m256 ExpSoftmax8(__m256 x) {
   const __m256 round = _mm256_set1_ps(12582912.f);
   const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-88.f), x);  // x itself when NaN (maxps: the second if unordered)
