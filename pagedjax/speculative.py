@@ -22,9 +22,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 MAX_SPECULATIVE_TOKENS = 16
 COST_SAMPLES = 9  # recent wall times a MeasuredCosts keeps per size
-# recent measurements (any size) a MeasuredCosts reads the machine's pace from; fewer than
-# COST_SAMPLES, so that a change of pace moves the pace before it moves the sizes' own costs
-PACE_SAMPLES = 5
+MAX_SAMPLE_AGE = 128  # measurements (of any size) after which a MeasuredCosts forgets a sample
 
 
 @dataclass(frozen=True)
@@ -153,43 +151,44 @@ def acceptance_estimate(num_accepted: int, num_drafted: int) -> float:
 
 
 class MeasuredCosts:
-    """Wall seconds by size (a step's T, a draft model's depth), on a machine whose speed
-    changes from minute to minute (neighbours, clocks). Each measurement is split into the
-    machine's pace when it was taken and the size's own cost at pace 1: the pace is the median
-    ratio of the last PACE_SAMPLES measurements (of sizes with a cost already) to their cost at
-    pace 1, and a size's cost at pace 1 the median of its last COST_SAMPLES measurements, each
-    divided by the pace then. A size costs that times the current pace. So a size that steps
-    rarely take, measured once in a slow minute, does not look expensive for good (the allocation
-    would never try it again), and one slow step moves nothing much. An unmeasured size costs
-    what the nearest measured one does, an optimistic guess, so it is tried once and then
-    known; `unmeasured(size)` when nothing is measured yet."""
+    """Wall seconds by size (a step's T, a draft model's depth): the median of a size's last
+    COST_SAMPLES measurements (a median: one run slowed by a neighbour, or a first run, must not
+    make a size look expensive for long), forgotten once MAX_SAMPLE_AGE measurements of any size
+    have come since. A size that a slow minute made look expensive is one that the allocation
+    then avoids, so it would never be measured again; forgotten, it is priced as an unmeasured
+    size again and so tried again. An unmeasured size costs what the nearest measured one does,
+    an optimistic guess, so it is tried once and then known; `unmeasured(size)` when nothing is
+    measured yet."""
 
     def __init__(self, unmeasured: Callable[[int], float]):
         self._unmeasured = unmeasured
-        self._samples: dict[int, collections.deque] = {}  # size -> its last costs at pace 1
-        self._base: dict[int, float] = {}  # size -> the median of those
-        self._ratios: collections.deque = collections.deque(maxlen=PACE_SAMPLES)  # measured / cost at pace 1
-        self._pace = 1.0
+        self._count = 0  # measurements so far, of any size
+        self._samples: dict[int, collections.deque] = {}  # size -> (measurement number, seconds)
+        self._median: dict[int, float] = {}
 
     def add(self, size: int, seconds: float) -> None:
-        if self._base.get(size, 0.0) > 0.0:
-            self._ratios.append(seconds / self._base[size])
-            if len(self._ratios) >= 3:  # a median of one or two would follow a single slow step
-                self._pace = statistics.median(self._ratios)
-        samples = self._samples.setdefault(size, collections.deque(maxlen=COST_SAMPLES))
-        samples.append(seconds / self._pace)
-        self._base[size] = statistics.median(samples)
+        self._count += 1
+        self._samples.setdefault(size, collections.deque(maxlen=COST_SAMPLES)).append((self._count, seconds))
+        oldest = self._count - MAX_SAMPLE_AGE  # samples numbered up to this are forgotten
+        for s, samples in list(self._samples.items()):
+            changed = s == size
+            while samples and samples[0][0] <= oldest:
+                samples.popleft()
+                changed = True
+            if not samples:
+                del self._samples[s], self._median[s]
+            elif changed:
+                self._median[s] = statistics.median(x for _, x in samples)
 
     def __call__(self, size: int) -> float:
-        if not self._base:
+        if size in self._median:
+            return self._median[size]
+        if not self._median:
             return self._unmeasured(size)
-        if size not in self._base:
-            size = min(self._base, key=lambda m: abs(m - size))
-        return self._base[size] * self._pace
+        return self._median[min(self._median, key=lambda m: abs(m - size))]
 
     def as_dict(self) -> dict[int, float]:
-        """Each measured size's cost now (seconds)."""
-        return {size: self(size) for size in sorted(self._base)}
+        return dict(sorted(self._median.items()))
 
 
 def draft_depth(rates: list[float], k: int, target_cost: Callable[[int], float],

@@ -4,12 +4,13 @@ On a shared machine a run's wall time moves by 10-50% from minute to minute, too
 compare two ways of choosing drafts. This script runs bench_speculative.py's cases (copy
 prompts at batch 1, a closed batch of 8, 12 prompts 8 at a time, random-token prompts) with
 and without prompt lookup, with every engine's cost model pinned to one table of step times
-by size (`--costs`, ms; measured once in a quiet minute, e.g. bench_speculative.py's "step
+by size (`--costs`, ms for every step size the engine has; measured once in a quiet minute, e.g. bench_speculative.py's "step
 wall time by size"), and prints the steps each run took and its modeled time: the sum of the
 table's time for every step it ran. Greedy outputs make the step sequence deterministic, so two
 policies (or two tables) compare exactly.
 
-    python scripts/spec_policy_model.py [--costs 8:33,16:47,32:79,48:106,64:142] [--k 4]
+    python scripts/spec_policy_model.py [--k 4] \
+        [--costs 8:33,16:47,32:79,48:106,64:142,96:190,128:240,256:420,512:730,1024:1450]
 """
 from __future__ import annotations
 

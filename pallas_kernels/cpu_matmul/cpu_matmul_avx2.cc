@@ -120,12 +120,12 @@ void Block(const float* x, const W* w, int64_t in, int64_t m, int64_t m_pad, int
   if (widen) wide.resize(kO * chunk);
   parts.resize(m_pad / kR * kR * kO);
   // the next tile's weights, split evenly over this tile's (chunk, row tile) passes
-  const int64_t passes = m_pad / kR * chunks;
-  const int64_t lines_per_pass = (kO * in * int64_t(sizeof(W)) / 64 + passes - 1) / passes;
+  const int64_t passes = m_pad / kR * ((in + chunk - 1) / chunk);
+  const int64_t tile_lines = (kO * in * int64_t(sizeof(W)) + 63) / 64;
+  const int64_t lines_per_pass = (tile_lines + passes - 1) / passes;
   int64_t o0 = o_begin;
   for (; o0 + kO <= o_end; o0 += kO) {
-    const char* next = reinterpret_cast<const char*>(w + (o0 + kO) * in);
-    const int64_t next_lines = o0 + 2 * kO <= o_end ? lines_per_pass : 0;
+    const bool has_next = o0 + 2 * kO <= o_end;  // a next full tile in this block
     int64_t pass = 0;
     for (int64_t c0 = 0; c0 < in; c0 += chunk) {
       const int64_t len = std::min(chunk, in - c0);
@@ -135,7 +135,10 @@ void Block(const float* x, const W* w, int64_t in, int64_t m, int64_t m_pad, int
         for (int j = 0; j < kO; ++j)
           for (int64_t i = 0; i < len; i += 8) _mm256_storeu_ps(wide.data() + j * chunk + i, Load8(wr + j * in + i));
       for (int64_t m0 = 0, t = 0; m0 < m_pad; m0 += kR, ++t, ++pass) {
-        const Prefetch pf{next + pass * lines_per_pass * 64, next_lines};
+        const int64_t lines = has_next ? std::min(lines_per_pass, tile_lines - pass * lines_per_pass) : 0;
+        const Prefetch pf = lines > 0 ? Prefetch{reinterpret_cast<const char*>(w + (o0 + kO) * in) +
+                                                     pass * lines_per_pass * 64, lines}
+                                      : Prefetch{};
         __m256* part = parts.data() + t * kR * kO;
         if (widen) Tile<kR, kO>(x, wide.data(), in, chunk, c0, len, m0, o0, kO, m, out, y, part, first, last, pf);
         else Tile<kR, kO>(x, wr, in, in, c0, len, m0, o0, kO, m, out, y, part, first, last, pf);
@@ -166,6 +169,10 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || wd[1] % 8 != 0)
     return ffi::Error::InvalidArgument("cpu matmul (AVX2): x [M, I], w [O, I] with I % 8 == 0");
   const int64_t m = xd[0], in = xd[1], out = wd[0];
+  if (in == 0) {  // empty sums
+    std::fill_n(y->typed_data(), m * out, 0.f);
+    return ffi::Error::Success();
+  }
   const int kR = m >= 2 ? 2 : 1;
   const int64_t m_pad = (m + kR - 1) / kR * kR;
   // x, bf16-rounded for bf16 weights, zero rows up to a multiple of kR

@@ -78,6 +78,15 @@ def test_avx2_path_matches_the_reference(m, o, i, dtype):
 
 
 @needs_avx2
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_avx2_empty_inputs_give_zeros(dtype):
+    """I = 0: every sum is empty (inside jit, where the output buffer is not zeroed for us)."""
+    x = jnp.ones((3, 0), jnp.float32)
+    got = jax.jit(lambda x, w: matmul_avx2(x * 2, w) + 0)(x, jnp.ones((5, 0), dtype))
+    np.testing.assert_array_equal(np.asarray(got), np.zeros((3, 5), np.float32))
+
+
+@needs_avx2
 def test_avx2_errors():
     with pytest.raises(ValueError, match="multiple of 8"):
         matmul_avx2(jnp.ones((2, 12)), jnp.ones((4, 12)))
