@@ -13,8 +13,6 @@ half the weight bytes, and on CPUs with AVX512-BF16/AMX, GPUs and TPUs the nativ
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,9 +41,8 @@ def rms_norm(x, weight, eps):
 WIDEN_BF16_MIN_ROWS = 256
 
 
-@functools.cache
 def _cpu_lacks_bf16() -> bool:
-    return not dtypes.has_fast_bf16("cpu")
+    return not dtypes.has_fast_bf16("cpu")  # read once: dtypes.cpu_flags is cached
 
 
 def linear(x, w, native: bool = False):

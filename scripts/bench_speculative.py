@@ -61,6 +61,18 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     return out
 
 
+def benchmark_cases(tokenizer, batch_1_prompts: int = 4) -> list[tuple[str, list[list[int]], int]]:
+    """(name, prompts, batch) of each case. "batch 8": closed batches of 8 (the batch lasts as
+    long as its slowest request); "8 at a time": every prompt submitted at once to an engine
+    with 8 sequence slots (continuous batching: a finished request's slot takes the next
+    prompt); random tokens: nothing to copy."""
+    prompts = chat_prompts(tokenizer)
+    rng = np.random.default_rng(0)
+    random_prompts = [rng.integers(100, len(tokenizer), size=len(q)).tolist() for q in prompts[:8]]
+    return [("copy, batch 1", prompts[:batch_1_prompts], 1), ("copy, batch 8", prompts[:8], 8),
+            (f"copy, {len(prompts)} x 8 at a time", prompts, len(prompts)), ("random tokens, batch 8", random_prompts, 8)]
+
+
 def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[list[list[int]], float, int, int]:
     """(outputs, seconds, tokens, engine steps) for `prompts` in batches of `batch`."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -95,16 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     engines = {"off": LLM(args.model, **kw), "on": LLM(args.model, speculative_config=spec, **kw)}
     for llm in engines.values():
         llm.wait_for_warmup()
-    prompts = chat_prompts(engines["off"].tokenizer)
-    rng = np.random.default_rng(0)
-    vocab = len(engines["off"].tokenizer)
-    random_prompts = [rng.integers(100, vocab, size=len(q)).tolist() for q in prompts[:8]]
-    # "batch 8": closed batches of 8 (the batch lasts as long as its slowest request); "8 at a
-    # time": every prompt submitted at once to an engine with 8 sequence slots (continuous
-    # batching: a finished request's slot takes the next prompt)
-    cases = [("copy, batch 1", prompts[:args.batch_1_prompts], 1), ("copy, batch 8", prompts[:8], 8),
-             (f"copy, {len(prompts)} x 8 at a time", prompts, len(prompts)),
-             ("random tokens, batch 8", random_prompts, 8)]
+    cases = benchmark_cases(engines["off"].tokenizer, args.batch_1_prompts)
     results = {"config": vars(args) | {"speculative_config": spec}, "cases": {}}
     print(f"{'case':28s} {'off tok/s':>16s} {'on tok/s':>16s} {'speed-up':>9s} {'accepted':>9s} "
           f"{'tokens/step':>12s} {'identical':>10s} {'steps off/on':>13s}")

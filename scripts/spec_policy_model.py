@@ -18,12 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_speculative import chat_prompts  # noqa: E402
+from bench_speculative import benchmark_cases, run  # noqa: E402
 
-from pagedjax import LLM, SamplingParams  # noqa: E402
+from pagedjax import LLM  # noqa: E402
 
 DEFAULT_COSTS = "8:33,16:47,32:79,48:106,64:142,96:190,128:240,256:420,512:730,1024:1450"
 
@@ -37,9 +35,9 @@ def parse_costs(text: str) -> dict[int, float]:
     return costs
 
 
-def run_steps(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[list[int], int]:
-    """(the size T of every step, tokens generated) for `prompts` in batches of `batch`."""
-    sizes, tokens = [], 0
+def run_steps(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> list[int]:
+    """The size T of every step `bench_speculative.run` takes for `prompts` in batches of `batch`."""
+    sizes = []
     dispatch = llm.engine.runner.dispatch
 
     def record(*args, **kwargs):
@@ -49,12 +47,10 @@ def run_steps(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -
 
     llm.engine.runner.dispatch = record
     try:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        for i in range(0, len(prompts), batch):
-            tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts[i:i + batch], sp, use_tqdm=False))
+        run(llm, prompts, batch, max_tokens)
     finally:
         llm.engine.runner.dispatch = dispatch
-    return sizes, tokens
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,18 +71,13 @@ def main(argv: list[str] | None = None) -> None:
         llm.wait_for_warmup()
         for sched in llm.engine.schedulers:  # the pinned table, in seconds, for every allocation
             sched.step_cost = lambda t: table[t] / 1e3
-    prompts = chat_prompts(engines["off"].tokenizer)
-    rng = np.random.default_rng(0)
-    vocab = len(engines["off"].tokenizer)
-    random_prompts = [rng.integers(100, vocab, size=len(q)).tolist() for q in prompts[:8]]
-    cases = [("copy, batch 1", prompts[:4], 1), ("copy, batch 8", prompts[:8], 8),
-             (f"copy, {len(prompts)} x 8 at a time", prompts, len(prompts)), ("random tokens, batch 8", random_prompts, 8)]
+    cases = benchmark_cases(engines["off"].tokenizer)
     print(f"step costs (ms): {table}")
     print(f"{'case':28s} {'steps off/on':>13s} {'modeled ms off/on':>18s} {'modeled speed-up':>17s}")
     for name, case_prompts, batch in cases:
         for llm in engines.values():  # the prompts' prefixes cached, as in bench_speculative's repeats
             run_steps(llm, case_prompts, batch, args.max_tokens)
-        (off, _), (on, _) = (run_steps(llm, case_prompts, batch, args.max_tokens) for llm in engines.values())
+        off, on = (run_steps(llm, case_prompts, batch, args.max_tokens) for llm in engines.values())
         ms_off, ms_on = sum(table[t] for t in off), sum(table[t] for t in on)
         print(f"{name:28s} {len(off):>6d}/{len(on):<6d} {ms_off:>8.0f}/{ms_on:<9.0f} {ms_off / ms_on:16.2f}x")
 
