@@ -151,15 +151,31 @@ def _read_tensors(reader, config: dict[str, Any], progress: bool) -> dict[str, n
     return tensors
 
 
+def _transformers_gguf_tokenizer_api():
+    """(GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer) from whichever transformers module holds
+    them: integrations.gguf.gguf_tokenizer_mapping in recent releases (5.25 has them there),
+    integrations.ggml before (4.x to 5.17 at least)."""
+    import importlib
+
+    for module in ("transformers.integrations.gguf.gguf_tokenizer_mapping", "transformers.integrations.ggml"):
+        try:
+            m = importlib.import_module(module)
+        except ImportError:
+            continue
+        if hasattr(m, "GGUF_TOKENIZER_MAPPING") and hasattr(m, "convert_gguf_tokenizer"):
+            return m.GGUF_TOKENIZER_MAPPING, m.convert_gguf_tokenizer
+    import transformers
+
+    raise ImportError(f"transformers {transformers.__version__} has no GGUF tokenizer converter "
+                      "(GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer) where pagedjax looks for it")
+
+
 def build_gguf_tokenizer(reader):
     """A `PreTrainedTokenizerFast` from the GGUF `tokenizer.*` fields (bos/eos/unk/pad tokens,
     chat template and add_bos/add_eos flags included), via transformers' GGUF converter."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
 
+    GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer = _transformers_gguf_tokenizer_api()
     groups = {
         group: {name: _field(reader, f"tokenizer.{key}") for key, name in renames.items()
                 if f"tokenizer.{key}" in reader.fields}
@@ -173,7 +189,9 @@ def build_gguf_tokenizer(reader):
         token_id = tokenizer_dict.get(f"{special}_token_id")
         init_kwargs[f"{special}_token"] = tokens[token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra)
+    # the special tokens come from the file's ids: some transformers releases (5.17) also guess them
+    # in `extra`, wrongly for ChatML files (eos '<|im_start|>')
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **init_kwargs})
 
 
 def load_gguf(path: str | Path, progress: bool = False) -> GGUFCheckpoint:

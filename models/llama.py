@@ -57,7 +57,15 @@ def linear(x, w, native: bool = False):
     if native and w.dtype == jnp.bfloat16 and x.size // x.shape[-1] >= WIDEN_BF16_MIN_ROWS and _cpu_lacks_bf16():
         # bf16 x bf16 products are exact in float32: the same sums as the bf16 dot below
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype).astype(jnp.float32), w.astype(jnp.float32))
-    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32,
+                      precision=_f32_precision(w.dtype))
+
+
+def _f32_precision(dtype):
+    """float32 weights on a GPU/TPU: full float32 passes (their default precision rounds f32
+    matmul inputs to TF32 / bf16, which float32 users, and parity with transformers, do not
+    expect). XLA:CPU always computes f32 dots in f32; its programs stay as they were."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
 
 
 def rope_cos_sin(positions, inv_freq):

@@ -97,6 +97,43 @@ def test_saved_tokenizer_loads_with_autotokenizer(model_dir):
     assert tok("Hello world")["input_ids"] == [19556, 905]
 
 
+def test_special_tokens_come_from_the_file_ids(gguf_path, monkeypatch):
+    """transformers 5.17's converter also returns guessed special tokens (eos '<|im_start|>' for this
+    ChatML file; seen on the GPU machine's image): the ids in the file win."""
+    import gguf
+
+    from models import gguf_loader
+
+    mapping, convert = gguf_loader._transformers_gguf_tokenizer_api()
+
+    def convert_like_5_17(architecture, tokenizer_dict):
+        backend, extra = convert(architecture, tokenizer_dict)
+        return backend, {**extra, "unk_token": "<|endoftext|>", "eos_token": "<|im_start|>",
+                         "bos_token": "<|im_start|>", "legacy": False}
+
+    monkeypatch.setattr(gguf_loader, "_transformers_gguf_tokenizer_api", lambda: (mapping, convert_like_5_17))
+    tok = gguf_loader.build_gguf_tokenizer(gguf.GGUFReader(str(gguf_path)))
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+
+
+def test_tokenizer_converter_found_where_older_transformers_keep_it(monkeypatch):
+    """Up to 5.17 transformers kept the GGUF tokenizer converter in integrations.ggml; 5.25 in
+    integrations.gguf.gguf_tokenizer_mapping. Either is used; neither is a clear ImportError."""
+    import types
+
+    from models import gguf_loader
+
+    mapping, convert = gguf_loader._transformers_gguf_tokenizer_api()
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", types.ModuleType("new"))
+    old = types.ModuleType("transformers.integrations.ggml")
+    old.GGUF_TOKENIZER_MAPPING, old.convert_gguf_tokenizer = mapping, convert
+    monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", old)
+    assert gguf_loader._transformers_gguf_tokenizer_api() == (mapping, convert)
+    monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", types.ModuleType("neither"))
+    with pytest.raises(ImportError, match="no GGUF tokenizer converter"):
+        gguf_loader._transformers_gguf_tokenizer_api()
+
+
 # (b) tensors and config ---------------------------------------------------------------------
 
 

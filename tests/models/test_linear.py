@@ -39,3 +39,16 @@ def test_not_native_keeps_the_bf16_dot(monkeypatch):
     x = jnp.ones((llama.WIDEN_BF16_MIN_ROWS, 64), jnp.float32)
     w = jnp.ones((48, 64), jnp.bfloat16)
     assert "tensor<48x64xf32>" not in jax.jit(lambda x, w: llama.linear(x, w)).lower(x, w).as_text()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_float32_weights_ask_for_full_f32_passes_on_accelerators(monkeypatch, backend):
+    """GPU/TPU round float32 dot inputs to TF32 / bf16 by default; float32 weights ask for HIGHEST
+    there (the f32 parity with transformers on an H200 passed with it). CPU programs stay as they
+    were, and bf16 weights keep the default."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    x = jnp.ones((4, 64), jnp.float32)
+    f32 = jax.jit(lambda x, w: llama.linear(x, w)).lower(x, jnp.ones((48, 64), jnp.float32)).as_text()
+    bf16 = jax.jit(lambda x, w: llama.linear(x, w)).lower(x, jnp.ones((48, 64), jnp.bfloat16)).as_text()
+    assert ("HIGHEST" in f32) == (backend != "cpu")
+    assert "HIGHEST" not in bf16

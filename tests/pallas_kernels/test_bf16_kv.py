@@ -18,13 +18,13 @@ from models.kv_cache import copy_blocks
 from pallas_kernels import dense_attention, paged_attention, paged_attention_reference, write_kv
 from pallas_kernels.paged_attention import (cpu_native, packed_attention_reference, packed_paged_attention,
                                             reference)
-from test_packed_attention import STEPS, make_step
+from test_packed_attention import DEVICE_PALLAS, STEPS, make_step
 from test_paged_attention import BF16, F32, _exact_f32_matmuls, assert_close  # noqa: F401
 from test_paged_prefill import make_prefill_case, prefill_seqs
 
 native = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_native.available(),
                             reason="native kernel: CPU backend with a C++ compiler")
-PALLAS = ["pallas_tpu_interpret", "pallas_gpu_interpret"]
+PALLAS = ["pallas_tpu_interpret", "pallas_gpu_interpret"] + DEVICE_PALLAS
 XLA = ["reference", "chunked", "ragged"]
 
 

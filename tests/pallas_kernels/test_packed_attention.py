@@ -9,6 +9,10 @@ from pallas_kernels.paged_attention import (packed_attention_reference, packed_p
                                             paged_attention_reference)
 from pallas_kernels.paged_attention.cpu_native import available as native_available
 from pallas_kernels.paged_attention.packed import from_rows, to_rows, token_sequence_ids
+from test_paged_attention import _exact_f32_matmuls  # noqa: F401  (autouse: jnp paths in full f32)
+
+# the compiled Pallas kernel of the backend JAX runs on (none on CPU): same cases as interpret mode
+DEVICE_PALLAS = {"gpu": ["pallas_gpu"], "cuda": ["pallas_gpu"], "tpu": ["pallas_tpu"]}.get(jax.default_backend(), [])
 
 
 def make_step(rng, q_lens, ctx_lens, *, h=4, hkv=2, d=32, bs=8, nb=40, mb=8, num_tokens=None, pad_seqs=1):
@@ -58,7 +62,7 @@ def test_packed_reference_matches_padded_reference(q_lens, ctx):
     assert np.all(np.asarray(got)[int(args[-1][-1]):] == 0)  # tokens no sequence owns
 
 
-IMPLS = ["reference", "ragged", "chunked", "pallas_tpu_interpret", "pallas_gpu_interpret"]
+IMPLS = ["reference", "ragged", "chunked", "pallas_tpu_interpret", "pallas_gpu_interpret"] + DEVICE_PALLAS
 
 
 @pytest.mark.parametrize("impl", IMPLS + (["native"] if native_available() else []))
@@ -75,7 +79,7 @@ def test_decode_like_step_uses_one_row_per_token():
     rng = np.random.default_rng(2)
     args = make_step(rng, [1, 2, 1], [4, 6, 0], num_tokens=6, pad_seqs=3)  # T = 6 = S
     want = packed_attention_reference(*args, scale=0.3)
-    for impl in ("ragged", "pallas_gpu_interpret"):
+    for impl in ("ragged", "pallas_gpu_interpret", *DEVICE_PALLAS):
         got = packed_paged_attention(*args, scale=0.3, impl=impl)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-5)
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one prepared run (a lent GPU's minutes are few):
+#
+#     PYTHONPATH=. bash scripts/gpu_session.sh [LOG_DIR]     # on the GPU machine, from the repo root
+#
+# Stages, each under its own time limit so one hang cannot eat the others, each log in LOG_DIR
+# (default results/gpu_session):
+#   1. env         jax / torch versions and the device
+#   2. kernels     the Pallas GPU kernels compiled, against the jnp reference (gpu_kernel_check.py)
+#   3. parity      the engine (Pallas kernels, float32) against transformers, token for token, on
+#                  tiny random checkpoints of every family (tests/pagedjax/test_parity.py)
+#   4. e2e_bf16    the engine end to end in bf16, speculation off and on, and transformers bf16 on
+#                  the same GPU (gpu_e2e_bf16.py --hf)
+#   5. default model, when its GGUF is cached (models/default_model.py; no network is needed):
+#      spec_bf16        scripts/bench_speculative.py in bf16 on the real checkpoint
+#      default_parity   greedy tokens against transformers on the real checkpoint (float32)
+# STAGES="spec_bf16 default_parity" runs only the stages named. Prints a summary line per stage;
+# the exit code is the number of stages that failed.
+set -u
+LOG=${1:-results/gpu_session}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the GPU
+PY=${PYTHON:-python3}
+failed=0
+summary=()
+
+stage() {  # stage NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    if [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $name "* ]]; then return; fi
+    local start=$SECONDS
+    echo "=== $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" >"$LOG/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$LOG/$name.log"
+    summary+=("$name: rc=$rc in $((SECONDS - start))s")
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    echo "=== $name: rc=$rc in $((SECONDS - start))s"
+}
+
+stage env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, flax, transformers, torch; print(\"jax\", jax.__version__, jax.devices(), \"flax\", flax.__version__, \"transformers\", transformers.__version__, \"torch\", torch.__version__)'"
+stage kernels 150 "$PY" scripts/gpu_kernel_check.py --no-bench --workers 6
+stage parity 100 "$PY" -m pytest tests/pagedjax/test_parity.py -k test_greedy_matches_transformers -n 4 --dist load -p no:cacheprovider -q -rs
+stage e2e_bf16 200 "$PY" scripts/gpu_e2e_bf16.py --hf
+if "$PY" -c "import sys; from models.default_model import cache_root, GGUF_NAME; sys.exit(not (cache_root() / 'gguf' / GGUF_NAME).is_file())"; then
+    stage spec_bf16 260 "$PY" scripts/bench_speculative.py --dtype bfloat16 --repeats 2 --batch-1-prompts 2 \
+        --output "$LOG/bench_speculative.json"
+    stage default_parity 120 "$PY" -m pytest tests/pagedjax/test_default_model.py -n 0 -p no:cacheprovider -q -rs
+else
+    summary+=("default model: skipped (no GGUF under the cache)")
+fi
+printf '%s\n' "--- summary" "${summary[@]}"
+exit "$failed"
