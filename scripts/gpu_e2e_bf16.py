@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 16],
                    help="requests per generate call, comma separated (each at most --num-prompts)")
+    p.add_argument("--scan-layers", choices=["auto", "on", "off"], default="auto",
+                   help="layers under lax.scan (a while loop; the default on accelerators) or unrolled")
     p.add_argument("--hf", action="store_true", help="also time transformers in bf16 on the same CUDA device")
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU backend too (a dry run)")
     args = p.parse_args(argv)
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             model = tmp
             write_random_checkpoint(Path(tmp))
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-        kw = dict(dtype="bfloat16", max_num_seqs=max(8, args.num_prompts), max_model_len=1024)
+        kw = dict(dtype="bfloat16", max_num_seqs=max(8, args.num_prompts), max_model_len=1024,
+                  scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers])
         engines = {}
         for mode, extra in (("off", {}), ("on", {"speculative_config": spec})):
             start = time.perf_counter()
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engine with speculation {mode}: built and warmed up (every step shape compiled) in "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
         engine = engines["off"].engine
-        print(f"matrices in {engine.model.dtype}; attention kernel in the compiled step: "
+        print(f"matrices in {engine.model.dtype}, layers {'under scan' if engine.model.scan_layers else 'unrolled'}; "
+              f"attention kernel in the compiled step: "
               f"{attention_kernel(engine.runner)}", flush=True)
         prompts = make_prompts(args.num_prompts, SMOLLM2_135M["vocab_size"])
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -11,6 +11,8 @@
 #                  tiny random checkpoints of every family (tests/pagedjax/test_parity.py)
 #   4. e2e_bf16    the engine end to end in bf16, speculation off and on, and transformers bf16 on
 #                  the same GPU (gpu_e2e_bf16.py --hf)
+#      e2e_unrolled the same with the layers unrolled instead of under scan: is XLA:GPU's while
+#                  loop (a host round trip per layer) where the flat step time goes?
 #   5. step_times  a step's host work against its wait for the device, async scheduling off and on
 #                  (step_times.py): on the H200 every step took 13-15 ms whatever its size
 #   6. default model, when its GGUF is cached (models/default_model.py; no network is needed):
@@ -44,6 +46,7 @@ stage env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, flax, transformers, tor
 stage kernels 150 "$PY" scripts/gpu_kernel_check.py --no-bench --workers 6
 stage parity 100 "$PY" -m pytest tests/pagedjax/test_parity.py -k test_greedy_matches_transformers -n 4 --dist load -p no:cacheprovider -q -rs
 stage e2e_bf16 200 "$PY" scripts/gpu_e2e_bf16.py --hf
+stage e2e_unrolled 200 "$PY" scripts/gpu_e2e_bf16.py --scan-layers off --repeats 2
 stage step_times 240 "$PY" scripts/step_times.py --repeats 2 --pool-sizes 256
 if "$PY" -c "import sys; from models.default_model import cache_root, GGUF_NAME; sys.exit(not (cache_root() / 'gguf' / GGUF_NAME).is_file())"; then
     stage spec_bf16 260 "$PY" scripts/bench_speculative.py --dtype bfloat16 --repeats 2 --batch-1-prompts 2 \
