@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             if differ:  # where, and whether the outputs also move with the batch without speculation
                 at = [next(j for j, (x, y) in enumerate(zip(outs["off"][i], outs["on"][i])) if x != y) for i in differ]
                 print(f"batch {batch:2d}: outputs differ on prompts {differ} from token {at}")
+                for i, j, gap_off, gap_on in parting_gaps(engines, prompts[:batch], args.max_tokens):
+                    print(f"batch {batch:2d}: with logprobs=2, prompt {i} parts at token {j}; the top-2 logprob gap "
+                          f"there is {gap_off:.4f} without speculation, {gap_on:.4f} with", flush=True)
             if batch > 1 and batch_1_outs is not None:
                 print(f"batch {batch:2d}: speculation off, prompt 0 same as at batch 1: {outs['off'][0] == batch_1_outs}")
             if batch == 1:
@@ -152,6 +155,24 @@ def main(argv: list[str] | None = None) -> int:
                           f"pagedjax / transformers {np.median(rates['off']) / np.median(hf_rates):.2f}x; "
                           f"first 8 greedy tokens agree on {agree}/{batch} prompts", flush=True)
     return 0 if identical else 2
+
+
+def parting_gaps(engines, prompts, max_tokens: int):
+    """The same batch again, speculation off and on, with logprobs=2: for every request whose greedy
+    outputs part, (request, first parting token, top-2 logprob gap there off, on). A gap near 0
+    is a near-tie, where float32 sums that differ in their last bits (other kernels, other row
+    counts) can pick the other token."""
+    from pagedjax import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    res = {mode: [r.outputs[0] for r in engines[mode].generate(prompts, sp, use_tqdm=False)] for mode in ("off", "on")}
+    gap = lambda lp: (lambda v: v[0] - v[1])(sorted(lp.values(), reverse=True))
+    found = []
+    for i, (a, b) in enumerate(zip(res["off"], res["on"])):
+        j = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if j is not None:
+            found.append((i, j, gap(a.logprobs[j]), gap(b.logprobs[j])))
+    return found
 
 
 def hf_reference(model_dir, prompts, max_tokens: int, repeats: int, device: str = "cuda"):
