@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from pallas_kernels.paged_attention import packed
 from pallas_kernels.paged_attention.cpu_native import (native_supported, packed_attention_native,
                                                        paged_attention_native)
-from pallas_kernels.paged_attention.reference import (NEG_INF, _fold_gqa, online_softmax_update, query_positions,
+from pallas_kernels.paged_attention.reference import (F32_DOTS, NEG_INF, _fold_gqa, online_softmax_update, query_positions,
                                                       run_online_softmax)
 
 DEFAULT_CHUNK_TOKENS = 128
@@ -69,7 +69,7 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
         # rows it shares with the chunk before are masked out so none counts twice
         start = jnp.minimum(i * c, max_len - c)
         k, v = rows(k_cache, start), rows(v_cache, start)
-        scores = jnp.einsum("skgqd,sktd->skgqt", qg, k)
+        scores = jnp.einsum("skgqd,sktd->skgqt", qg, k, precision=F32_DOTS)
         t = start + jnp.arange(c, dtype=jnp.int32)
         valid = (t[None, None, :] >= i * c) & (t[None, None, :] <= qpos[:, :, None])
         valid &= (t[None, None, :] < kv_lens[:, None, None]) & q_valid[:, :, None]  # [S, Q, C]

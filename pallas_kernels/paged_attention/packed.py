@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .reference import NEG_INF
+from .reference import F32_DOTS, NEG_INF
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
@@ -51,14 +51,14 @@ def packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     k = k_pages[:, tables].reshape(hkv, t, mb * bs, d).astype(jnp.float32)  # [Hkv, T, K, D]
     v = v_pages[:, tables].reshape(hkv, t, mb * bs, d).astype(jnp.float32)
     qg = q.reshape(t, hkv, h // hkv, d).astype(jnp.float32)  # [T, Hkv, G, D]
-    scores = jnp.einsum("tkgd,ktjd->tkgj", qg, k) * scale
+    scores = jnp.einsum("tkgd,ktjd->tkgj", qg, k, precision=F32_DOTS) * scale
     key = jnp.arange(mb * bs, dtype=jnp.int32)
     valid = (key[None, :] <= pos[:, None]) & (key[None, :] < kv_lens[seq_c][:, None]) & owned[:, None]
     scores = jnp.where(valid[:, None, None], scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("tkgj,ktjd->tkgd", p, v)
+    out = jnp.einsum("tkgj,ktjd->tkgd", p, v, precision=F32_DOTS)
     out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
     return out.reshape(t, h, d).astype(q.dtype)
 

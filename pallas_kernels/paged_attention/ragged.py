@@ -26,7 +26,7 @@ from jax import lax
 from .reference import NEG_INF
 
 MUL_FORM_MAX_ROWS = 8
-_EXACT = lax.Precision.HIGHEST  # one-hot merges: keep f32 sums exact on every backend
+_EXACT = lax.Precision.HIGHEST  # every dot here (scores, P @ V, one-hot merges) in f32 on every backend
 
 
 def score_form(rows: int) -> str:
@@ -144,10 +144,10 @@ def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
             if form == "mul":
                 sc = jnp.sum(k[:, :, :, None, :] * qu[:, :, None, :, :], axis=-1)
             else:  # K as the non-transposed dot operand
-                sc = jnp.einsum("wktd,wkrd->wktr", k, qu)
+                sc = jnp.einsum("wktd,wkrd->wktr", k, qu, precision=_EXACT)
             vis = tok[:, :, None] <= row_pos[sq][:, None, :]  # [W, TU, R]
         else:  # scores [W, Hkv, R, TU]
-            sc = jnp.einsum("wkrd,wktd->wkrt", qu, k)
+            sc = jnp.einsum("wkrd,wktd->wkrt", qu, k, precision=_EXACT)
             vis = tok[:, None, :] <= row_pos[sq][:, :, None]  # [W, R, TU]
         sc = jnp.where(vis[:, None], sc, NEG_INF)
         m_unit = jnp.max(sc, axis=t_axis)  # [W, Hkv, R]
@@ -161,9 +161,9 @@ def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
         if form == "mul":
             o_unit = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=2)  # [W, Hkv, R, D]
         elif form == "dot_t":
-            o_unit = jnp.einsum("wkrt,wktd->wkrd", p.transpose(0, 1, 3, 2), v)
+            o_unit = jnp.einsum("wkrt,wktd->wkrd", p.transpose(0, 1, 3, 2), v, precision=_EXACT)
         else:
-            o_unit = jnp.einsum("wkrt,wktd->wkrd", p, v)
+            o_unit = jnp.einsum("wkrt,wktd->wkrd", p, v, precision=_EXACT)
         oh = onehot.astype(jnp.float32)
         l_new = alpha * l + jnp.einsum("sw,wkr->skr", oh, l_unit, precision=_EXACT)
         acc_new = alpha[..., None] * acc + jnp.einsum("sw,wkrd->skrd", oh, o_unit,

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = float("-inf")
+# the dots of the jnp paths, all on float32 operands: in float32 on every backend (GPU and TPU
+# default precision rounds f32 inputs to TF32 / bf16 passes; XLA:CPU computes f32 either way)
+F32_DOTS = jax.lax.Precision.HIGHEST
 
 
 def query_positions(kv_lens: jax.Array, q_lens: jax.Array, num_q: int) -> jax.Array:
@@ -46,7 +49,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens
     k = k_pages[:, block_tables].reshape(hkv, s, mb * bs, d)  # [Hkv, S, T, D]
     v = v_pages[:, block_tables].reshape(hkv, s, mb * bs, d)
     qg = _fold_gqa(q, hkv).astype(jnp.float32)  # [S, Hkv, G, Q, D]
-    scores = jnp.einsum("skgqd,kstd->skgqt", qg, k.astype(jnp.float32)) * scale
+    scores = jnp.einsum("skgqd,kstd->skgqt", qg, k.astype(jnp.float32), precision=F32_DOTS) * scale
     qpos = query_positions(kv_lens, q_lens, nq)  # [S, Q]
     t = jnp.arange(mb * bs, dtype=jnp.int32)
     valid = (t[None, None, :] <= qpos[:, :, None]) & (t[None, None, :] < kv_lens[:, None, None])
@@ -55,7 +58,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("skgqt,kstd->skgqd", p, v.astype(jnp.float32))
+    out = jnp.einsum("skgqt,kstd->skgqd", p, v.astype(jnp.float32), precision=F32_DOTS)
     out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
     return _unfold_gqa(out).astype(q.dtype)
 
@@ -71,7 +74,7 @@ def online_softmax_update(m, l, acc, scores, values):
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(scores - m_safe[..., None])
     l_new = alpha * l + jnp.sum(p, axis=-1)
-    acc_new = alpha[..., None] * acc + jnp.einsum("...qt,...td->...qd", p, values)
+    acc_new = alpha[..., None] * acc + jnp.einsum("...qt,...td->...qd", p, values, precision=F32_DOTS)
     return m_new, l_new, acc_new
 
 
@@ -113,7 +116,7 @@ def paged_attention_chunked(q, k_pages, v_pages, block_tables, kv_lens, q_lens, 
         ids = jax.lax.dynamic_slice_in_dim(tables, i * c, c, axis=1)  # [S, C]
         k = k_pages[:, ids].reshape(hkv, s, chunk_tokens, d).astype(jnp.float32)
         v = v_pages[:, ids].reshape(hkv, s, chunk_tokens, d).astype(jnp.float32)
-        scores = jnp.einsum("skgqd,kstd->skgqt", qg, k)
+        scores = jnp.einsum("skgqd,kstd->skgqt", qg, k, precision=F32_DOTS)
         t = i * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         valid = (t[None, None, :] <= qpos[:, :, None]) & (t[None, None, :] < kv_lens[:, None, None])
         valid &= q_valid[:, :, None]

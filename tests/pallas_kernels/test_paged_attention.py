@@ -321,3 +321,34 @@ def test_lowers_for_device(kind, dtype, page_dtype, d, monkeypatch):
     exp = export.export(jax.jit(functools.partial(fn, scale=0.1)), platforms=[platform],
                         disabled_checks=checks)(*args)
     assert ("xla.gpu.triton" if kind == "gpu" else "tpu_custom_call") in exp.mlir_module()
+
+
+# ---------------------------------------------------------------- f32 dots of the jnp paths
+
+@pytest.mark.parametrize("path", ["reference", "chunked", "ragged", "packed_reference", "dense"])
+@pytest.mark.parametrize("num_q", [1, 4])
+def test_jnp_paths_ask_for_float32_dots(path, num_q):
+    """Every dot of the jnp paths asks for HIGHEST precision: on GPU/TPU the default rounds f32
+    operands to TF32 / bf16 passes, which would break "softmax and accumulation in float32"."""
+    from pallas_kernels import dense_attention
+    from pallas_kernels.paged_attention import packed_attention_reference
+
+    s, h, d, bs, nb = 2, 4, 16, 8, 16
+    q = jnp.ones((s, num_q, h, d), F32)
+    pages = jnp.ones((HKV, nb, bs, d), F32)
+    tables, lens = jnp.zeros((s, MB), jnp.int32), jnp.full((s,), 5, jnp.int32)
+    q_lens = jnp.full((s,), num_q, jnp.int32)
+    if path == "packed_reference":
+        fn = lambda: packed_attention_reference(q.reshape(s * num_q, h, d), pages, pages, tables, lens,
+                                                jnp.arange(s + 1, dtype=jnp.int32) * num_q, scale=0.25)
+    elif path == "dense":
+        cache = jnp.ones((HKV, s, 64, d), F32)
+        fn = lambda: dense_attention(q, cache, cache, jnp.arange(s, dtype=jnp.int32), lens, q_lens, scale=0.25,
+                                     chunk_tokens=16, impl="xla")
+    else:
+        fn = lambda: paged_attention(q, pages, pages, tables, lens, q_lens, scale=0.25, impl=path)
+    with jax.default_matmul_precision("default"):  # not this module's autouse "highest"
+        text = jax.jit(fn).lower().as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots or path == "ragged"  # ragged's smallest shapes multiply and sum instead
+    assert all("HIGHEST" in line for line in dots), [line for line in dots if "HIGHEST" not in line][:2]
