@@ -19,7 +19,7 @@
 #      spec_bf16        scripts/bench_speculative.py in bf16 on the real checkpoint
 #      default_parity   greedy tokens against transformers on the real checkpoint (float32)
 # STAGES="spec_bf16 default_parity" runs only the stages named. On the H200: env 9 s, kernels 72,
-# parity 58, e2e_bf16 93 (without --hf) to 200, spec_bf16 92, default_parity 61; all stages
+# parity 58, e2e_bf16 93 (--repeats 1, no --hf) to 200, spec_bf16 92, default_parity 61; all stages
 # together may not fit one 10-minute call. Prints a summary line per stage;
 # the exit code is the number of stages that failed.
 set -u
