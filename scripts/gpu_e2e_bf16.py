@@ -133,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             first_outs = outs["off"]
             differ = [i for i, (a, b) in enumerate(zip(outs["off"], outs["on"])) if a != b]
             if differ:  # where, and whether the outputs also move with the batch without speculation
-                at = [next(j for j, (x, y) in enumerate(zip(outs["off"][i], outs["on"][i])) if x != y) for i in differ]
+                at = [next((j for j, (x, y) in enumerate(zip(outs["off"][i], outs["on"][i])) if x != y),
+                           min(len(outs["off"][i]), len(outs["on"][i]))) for i in differ]
                 print(f"batch {batch:2d}: outputs differ on prompts {differ} from token {at}")
-                for i, j, gap_off, gap_on in parting_gaps(engines, prompts[:batch], args.max_tokens):
+                gaps = parting_gaps(engines, prompts[:batch], args.max_tokens)
+                for i, j, gap_off, gap_on in gaps:
                     print(f"batch {batch:2d}: with logprobs=2, prompt {i} parts at token {j}; the top-2 logprob gap "
                           f"there is {gap_off:.4f} without speculation, {gap_on:.4f} with", flush=True)
+                if not gaps:
+                    print(f"batch {batch:2d}: rerun with logprobs=2, the outputs did not part", flush=True)
             if batch > 1 and batch_1_outs is not None:
                 print(f"batch {batch:2d}: speculation off, prompt 0 same as at batch 1: {outs['off'][0] == batch_1_outs}")
             if batch == 1:

@@ -2,6 +2,7 @@
 # Every GPU check of the project in one prepared run (a lent GPU's minutes are few):
 #
 #     PYTHONPATH=. bash scripts/gpu_session.sh [LOG_DIR]     # on the GPU machine, from the repo root
+#     (through the device tool: LOG_DIR "$OUT", so that the logs come back)
 #
 # Stages, each under its own time limit so one hang cannot eat the others, each log in LOG_DIR
 # (default results/gpu_session):
@@ -33,7 +34,7 @@ summary=()
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
-    if [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $name "* ]]; then return; fi
+    if [ -n "${STAGES:-}" ] && [[ " ${STAGES//,/ } " != *" $name "* ]]; then return; fi
     local start=$SECONDS
     echo "=== $name (limit ${limit}s): $*"
     timeout --kill-after=10 "$limit" "$@" >"$LOG/$name.log" 2>&1
