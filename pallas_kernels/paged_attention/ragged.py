@@ -19,14 +19,12 @@ kv head (`score_form`). Measured with scripts/bench_kernels.py --cpu-decode.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .reference import NEG_INF
+from .reference import F32_DOTS, NEG_INF  # every dot here (scores, P @ V, one-hot merges) in f32
 
 MUL_FORM_MAX_ROWS = 8
-_EXACT = lax.Precision.HIGHEST  # every dot here (scores, P @ V, one-hot merges) in f32 on every backend
 
 
 def score_form(rows: int) -> str:
@@ -144,10 +142,10 @@ def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
             if form == "mul":
                 sc = jnp.sum(k[:, :, :, None, :] * qu[:, :, None, :, :], axis=-1)
             else:  # K as the non-transposed dot operand
-                sc = jnp.einsum("wktd,wkrd->wktr", k, qu, precision=_EXACT)
+                sc = jnp.einsum("wktd,wkrd->wktr", k, qu, precision=F32_DOTS)
             vis = tok[:, :, None] <= row_pos[sq][:, None, :]  # [W, TU, R]
         else:  # scores [W, Hkv, R, TU]
-            sc = jnp.einsum("wkrd,wktd->wkrt", qu, k, precision=_EXACT)
+            sc = jnp.einsum("wkrd,wktd->wkrt", qu, k, precision=F32_DOTS)
             vis = tok[:, None, :] <= row_pos[sq][:, :, None]  # [W, R, TU]
         sc = jnp.where(vis[:, None], sc, NEG_INF)
         m_unit = jnp.max(sc, axis=t_axis)  # [W, Hkv, R]
@@ -161,13 +159,13 @@ def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
         if form == "mul":
             o_unit = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=2)  # [W, Hkv, R, D]
         elif form == "dot_t":
-            o_unit = jnp.einsum("wkrt,wktd->wkrd", p.transpose(0, 1, 3, 2), v, precision=_EXACT)
+            o_unit = jnp.einsum("wkrt,wktd->wkrd", p.transpose(0, 1, 3, 2), v, precision=F32_DOTS)
         else:
-            o_unit = jnp.einsum("wkrt,wktd->wkrd", p, v, precision=_EXACT)
+            o_unit = jnp.einsum("wkrt,wktd->wkrd", p, v, precision=F32_DOTS)
         oh = onehot.astype(jnp.float32)
-        l_new = alpha * l + jnp.einsum("sw,wkr->skr", oh, l_unit, precision=_EXACT)
+        l_new = alpha * l + jnp.einsum("sw,wkr->skr", oh, l_unit, precision=F32_DOTS)
         acc_new = alpha[..., None] * acc + jnp.einsum("sw,wkrd->skrd", oh, o_unit,
-                                                      precision=_EXACT)
+                                                      precision=F32_DOTS)
         return m_new, l_new, acc_new
 
     m0 = jnp.full((s, hkv, r), NEG_INF, jnp.float32)

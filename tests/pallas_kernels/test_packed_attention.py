@@ -12,7 +12,7 @@ from pallas_kernels.paged_attention.packed import from_rows, to_rows, token_sequ
 from test_paged_attention import _exact_f32_matmuls  # noqa: F401  (autouse: jnp paths in full f32)
 
 # the compiled Pallas kernel of the backend JAX runs on (none on CPU): same cases as interpret mode
-DEVICE_PALLAS = {"gpu": ["pallas_gpu"], "cuda": ["pallas_gpu"], "tpu": ["pallas_tpu"]}.get(jax.default_backend(), [])
+DEVICE_PALLAS = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"]}.get(jax.default_backend(), [])
 
 
 def make_step(rng, q_lens, ctx_lens, *, h=4, hkv=2, d=32, bs=8, nb=40, mb=8, num_tokens=None, pad_seqs=1):
