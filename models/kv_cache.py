@@ -149,12 +149,14 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
     """Copy-on-write: block src[i] -> dst[i] in every layer (both layouts).
 
     src, dst: [C] int32; the real copies come first, then padding entries with dst out of
-    range (>= NB). A loop over the real copies only, each one in-place scatter of the L
-    layers' copies of the block: a step with no copies costs nothing, and none touches
-    more than the blocks it copies.
+    range (>= NB). No dst is another entry's src (dst blocks are fresh), so the copies are
+    independent. On CPU a loop over the real copies only: a step with no copies costs
+    nothing. Elsewhere all C entries at once, padding dropped (`copy_blocks_at_once`).
     """
     if cpu_native.native_write_supported(kv[0].dtype):  # bf16 on CPU: XLA would widen the pool to f32
         return cpu_native.copy_blocks_native(tuple(kv), num_layers, src, dst)
+    if jax.default_backend() != "cpu":
+        return copy_blocks_at_once(kv, num_layers, src, dst)
     num_blocks = kv[0].shape[1] // num_layers
     layer_base = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks  # [L]
 
@@ -162,6 +164,18 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
         return tuple(x.at[:, layer_base + dst[i]].set(x[:, layer_base + src[i]]) for x in caches)
 
     return jax.lax.fori_loop(0, jnp.sum(dst < num_blocks), body, tuple(kv))
+
+
+def copy_blocks_at_once(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) -> KVCache:
+    """copy_blocks as one gather and one scatter of all C x L blocks, padding entries
+    dropped: no loop whose trip count is read from the device (XLA:GPU would make the host
+    wait for the device at every step to read it), at the cost of reading C x L blocks."""
+    num_blocks = kv[0].shape[1] // num_layers
+    layer_base = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_blocks  # [L, 1]
+    real = dst[None, :] < num_blocks  # [1, C]
+    to = jnp.where(real, layer_base + dst[None, :], num_layers * num_blocks).reshape(-1)  # [L * C]; out of range: dropped
+    frm = (layer_base + jnp.where(real, src[None, :], 0)).reshape(-1)  # [L * C]
+    return tuple(x.at[:, to].set(x[:, frm], mode="drop") for x in kv)
 
 
 def copy_blocks_sharded(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array, mesh: Mesh | None) -> KVCache:

@@ -108,7 +108,9 @@ class ModelRunner:
         self._no_prev = None  # [dp * R_max] int32 zeros on the device: the previous tokens of a step that reads none
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._sample = jax.jit(self._sample_fn, donate_argnums=(3,))
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
+        self._prompt_executables: dict[int, object] = {}  # T bucket -> compiled prompt logprobs
         self._primed: set[int] = set()  # T buckets that have run once (the warm-up's prime_bucket, or a step)
         self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
         self._compile_lock = threading.Lock()
@@ -122,9 +124,9 @@ class ModelRunner:
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
 
     def _forward(self, weights, kv, inputs: StepInputs, copies, prev_tokens):
-        """-> (kv, logits [dp * S, V] of each sequence's last token, PromptLogprobs [dp * T]).
-        weights: the model state's leaves; prev_tokens [dp * R_max]: the previous step's sampled
-        tokens (see prev_rows)."""
+        """-> (kv, logits [dp * S, V] of each sequence's last token, hidden [dp * T, E] for
+        prompt logprobs). weights: the model state's leaves; prev_tokens [dp * R_max]: the
+        previous step's sampled tokens (see prev_rows)."""
         kv = copy_blocks_sharded(kv, self.num_layers, *copies, self.mesh)  # copy-on-write before any write
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_tree, weights))
         tokens = jnp.where(inputs.prev_rows >= 0, prev_tokens[jnp.maximum(inputs.prev_rows, 0)], inputs.tokens)
@@ -136,7 +138,13 @@ class ModelRunner:
         # vocabulary-split logits are gathered over "model" on device (not to the host), so
         # sampling sees exactly what one device sees
         logits = jax.lax.with_sharding_constraint(model.logits(rows), self._rows_by_rank)
-        return kv, logits, prompt_logprobs.compute(model.logits, hidden, inputs.prompt_next, self.dp)
+        return kv, logits, jax.lax.with_sharding_constraint(hidden, self._rows_by_rank)
+
+    def _prompt_logprobs_fn(self, weights, hidden, prompt_next):
+        """PromptLogprobs [dp * T] of a step's positions from its hidden [dp * T, E]; run only
+        when some position asks (prompt_next [dp * T] >= 0)."""
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_tree, weights))
+        return prompt_logprobs.compute(model.logits, hidden, prompt_next, self.dp)
 
     def _sample_fn(self, logits, sampling: SamplingInputs, bitmask, pstate):
         """-> (penalty state with the kept tokens counted, SamplerOutput, its tokens padded
@@ -173,6 +181,10 @@ class ModelRunner:
                     self._samplers[s] = self._sample.lower(logits, jax.tree.map(spec, sampling),
                                                            spec(self._bitmask_ones(s, host=True)), pspec).compile()
                 self._executables[t] = lowered.compile()
+                hidden = lowered.out_info[2]
+                hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self._rows_by_rank)
+                self._prompt_executables[t] = self._prompt_logprobs.lower(
+                    self._specs[0], hidden, specs[0].prompt_next).compile()
             return self._executables[t]
 
     def prime_bucket(self, t: int) -> None:
@@ -186,9 +198,10 @@ class ModelRunner:
         inputs, sampling, copies = self._idle_inputs(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:
-            self.kv, logits, _ = step(self._weights, self.kv, inputs, copies, self._prev_tokens(None))
+            self.kv, logits, hidden = step(self._weights, self.kv, inputs, copies, self._prev_tokens(None))
             self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
-        jax.block_until_ready(out.tokens)
+        plp = self._prompt_executables[t](self._weights, hidden, inputs.prompt_next)  # nobody asks: chunks skipped
+        jax.block_until_ready((out.tokens, plp))
         self._primed.add(t)
 
     def _prev_tokens(self, prev: PendingStep | None, host: bool = False):
@@ -392,7 +405,7 @@ class ModelRunner:
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:
-            self.kv, logits, plp = step(self._weights, self.kv, inputs, copies, self._prev_tokens(prev))  # runs async
+            self.kv, logits, hidden = step(self._weights, self.kv, inputs, copies, self._prev_tokens(prev))  # runs async
             for args in self._pending_loads:
                 self.penalties = penalties.load_slot(self.penalties, *args)
             self._pending_loads = []
@@ -404,8 +417,11 @@ class ModelRunner:
             self.penalties, out, padded = self._samplers[s](logits, sampling, bitmask, self.penalties)
         wanted = ["tokens"] + (["logprobs", "top_ids", "top_logprobs"] if sampling.want_logprobs.any() else []) \
             + (["accepted", "resampled"] if (sampling.draft_next >= 0).any() else [])
+        plp = None
+        if (inputs.prompt_next >= 0).any():
+            plp = self._prompt_executables[t](self._weights, hidden, inputs.prompt_next)
         self._primed.add(t)
-        return PendingStep(t, out, padded, wanted, plp if (inputs.prompt_next >= 0).any() else None, began, first_run)
+        return PendingStep(t, out, padded, wanted, plp, began, first_run)
 
     def fetch(self, pending: PendingStep):
         """Waits for a dispatched step and returns its sampler output (numpy): rank r's entry

@@ -1,10 +1,12 @@
 """Prompt log-probabilities: the model's log-probability of each prompt token given the
-tokens before it, computed in the step from the hidden states of the prompt chunk.
+tokens before it, computed from the hidden states of the step that ran the prompt chunk.
 
-The step takes `prompt_next [T]` (the token that follows each position, -1 where nobody
-asked) and, only when some position asks, computes logits for every position in chunks
-(so the [T, V] logits never exist at once). A request asking for them reads no prefix
-cache, so every prompt position passes through a step.
+`prompt_next [T]` holds the token that follows each position (-1 where nobody asked). Only
+when the host sees some position ask does it run `compute`, an executable of its own beside
+the step (a `lax.cond` inside the step would make XLA:GPU wait for the device at every step
+to read its predicate); it computes logits in chunks of positions (so the [T, V] logits never
+exist at once), skipping chunks nobody asked about. A request asking for them reads no
+prefix cache, so every prompt position passes through a step.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class PromptLogprobs:
 
 def compute(logits_fn, hidden, prompt_next, dp: int = 1) -> PromptLogprobs:
     """hidden [dp * T, E], prompt_next [dp * T] int32 -> PromptLogprobs of every position
-    (zeros when no position asks). logits_fn: [..., E] -> float32 [..., V]."""
+    (zeros where no position of its chunk asks). logits_fn: [..., E] -> float32 [..., V]."""
     n, e = hidden.shape
     t = n // dp
     c = next(c for c in (CHUNK, 64, 32, 16, 8, 4, 2, 1) if t % c == 0)
@@ -49,17 +51,11 @@ def compute(logits_fn, hidden, prompt_next, dp: int = 1) -> PromptLogprobs:
                         jnp.zeros((*nxt.shape, k), jnp.float32))
         return jax.lax.cond(jnp.any(nxt >= 0), compute, skip)  # chunks nobody asked about cost nothing
 
-    def run():
-        h = hidden.reshape(dp, t // c, c, e).transpose(1, 0, 2, 3)  # [chunks, dp, c, E]
-        nxt = prompt_next.reshape(dp, t // c, c).transpose(1, 0, 2)
-        chosen, ids, lps = jax.lax.map(chunk, (h, nxt))  # [chunks, dp, c, ...]
-        back = lambda x: x.swapaxes(0, 1).reshape(n, *x.shape[3:])
-        return PromptLogprobs(back(chosen), back(ids), back(lps))
-
-    def zeros():
-        return PromptLogprobs(jnp.zeros(n, jnp.float32), jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32))
-
-    return jax.lax.cond(jnp.any(prompt_next >= 0), run, zeros)
+    h = hidden.reshape(dp, t // c, c, e).transpose(1, 0, 2, 3)  # [chunks, dp, c, E]
+    nxt = prompt_next.reshape(dp, t // c, c).transpose(1, 0, 2)
+    chosen, ids, lps = jax.lax.map(chunk, (h, nxt))  # [chunks, dp, c, ...]
+    back = lambda x: x.swapaxes(0, 1).reshape(n, *x.shape[3:])
+    return PromptLogprobs(back(chosen), back(ids), back(lps))
 
 
 def entries(plp, offset: int, positions: range, prompt_ids: list[int], k: int) -> list[tuple[int, dict[int, float]]]:

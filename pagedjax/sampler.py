@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pagedjax import select_cond
 from pagedjax.penalties import PenaltyState, apply_penalties, count_sampled
 from pagedjax.sampling_params import MAX_LOGPROBS
 
@@ -84,11 +85,11 @@ def _filtered_logits(logits, p: SamplingInputs):
     def filtered():
         top = jax.lax.top_k(x, min(TOP_CANDIDATES, v))[0]  # [S, N] descending
         threshold, complete = _threshold(top, x, p)
-        threshold = jax.lax.cond(jnp.all(complete), lambda: threshold,
-                                 lambda: _threshold(-jnp.sort(-x, axis=-1), x, p)[0])
+        threshold = select_cond.cond(jnp.all(complete), lambda: threshold,
+                                     lambda: _threshold(-jnp.sort(-x, axis=-1), x, p)[0])
         return jnp.where(x >= threshold[:, None], x, -jnp.inf)
 
-    return jax.lax.cond(jnp.any(filters), filtered, lambda: x)
+    return select_cond.cond(jnp.any(filters), filtered, lambda: x)
 
 
 def _threshold(desc, x, p: SamplingInputs):
@@ -128,19 +129,20 @@ def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int
     penalized, constrained = jnp.any(p.penalty_slot >= 0), jnp.any(p.constrained)
 
     def processed():  # [S, V]: the logits tokens are drawn from
-        x = jax.lax.cond(penalized,
-                         lambda: apply_penalties(logits, state, p.penalty_slot, p.repetition, p.frequency,
-                                                 p.presence, dp),
-                         lambda: logits)
-        return jax.lax.cond(constrained, lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
+        x = select_cond.cond(penalized,
+                             lambda: apply_penalties(logits, state, p.penalty_slot, p.repetition, p.frequency,
+                                                     p.presence, dp),
+                             lambda: logits)
+        return select_cond.cond(constrained, lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
 
     # one branch builds the processed logits once (and reads the penalty table once, so its
-    # in-place update needs no copy); a step with no processor draws from the logits as they are
-    out = jax.lax.cond(penalized | constrained, lambda: _draw_and_verify(logits, processed(), p),
-                       lambda: _draw_and_verify(logits, logits, p))
-    state = jax.lax.cond(penalized, lambda: count_sampled(state, p.penalty_slot, out.tokens, p.produces, dp),
-                         lambda: state)
-    return state, out
+    # in-place update needs no copy); a step with no processor draws from the logits as they are.
+    # Each cond is a branch on CPU and TPU, both branches and a select on GPUs (select_cond).
+    out = select_cond.cond(penalized | constrained, lambda: _draw_and_verify(logits, processed(), p),
+                           lambda: _draw_and_verify(logits, logits, p))
+    # rows without a slot count nothing (their scatter entries are dropped), so there is no
+    # branch to skip; a select would copy the whole table
+    return count_sampled(state, p.penalty_slot, out.tokens, p.produces, dp), out
 
 
 def _draw_and_verify(logits, x, p: SamplingInputs) -> SamplerOutput:
@@ -150,14 +152,14 @@ def _draw_and_verify(logits, x, p: SamplingInputs) -> SamplerOutput:
     out = sample(logits, p, processed=x, greedy=greedy)
     if p.draft_next is None:
         return out
-    accepted, resampled = jax.lax.cond(jnp.any(p.draft_next >= 0), lambda: verify_drafts(x, p, greedy),
-                                       lambda: (jnp.zeros_like(p.constrained), out.tokens))
+    accepted, resampled = select_cond.cond(jnp.any(p.draft_next >= 0), lambda: verify_drafts(x, p, greedy),
+                                           lambda: (jnp.zeros_like(p.constrained), out.tokens))
     # the token each row emits: its draft if accepted, else the redraw; the bonus row its sample
     emitted = jnp.where(p.draft_next >= 0, jnp.where(accepted, p.draft_next, resampled), out.tokens)
-    chosen = jax.lax.cond(jnp.any(p.want_logprobs & (p.draft_next >= 0)),
-                          lambda: jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[:, None],
-                                                      axis=-1)[:, 0],
-                          lambda: out.logprobs)
+    chosen = select_cond.cond(jnp.any(p.want_logprobs & (p.draft_next >= 0)),
+                              lambda: jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[:, None],
+                                                          axis=-1)[:, 0],
+                              lambda: out.logprobs)
     return SamplerOutput(out.tokens, chosen, out.top_ids, out.top_logprobs, accepted, resampled)
 
 
@@ -186,7 +188,7 @@ def verify_drafts(x0, p: SamplingInputs, greedy=None):
         hot = p.temperature > 0
         return jnp.where(hot, u < p_draft, greedy == d), jnp.where(hot, redraw, greedy)
 
-    accepted, resampled = jax.lax.cond(jnp.any(has & (p.temperature > 0)), sampled, lambda: (greedy == d, greedy))
+    accepted, resampled = select_cond.cond(jnp.any(has & (p.temperature > 0)), sampled, lambda: (greedy == d, greedy))
     return accepted & has, resampled
 
 
@@ -204,7 +206,7 @@ def sample(logits, p: SamplingInputs, processed=None, greedy=None) -> SamplerOut
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
         return jnp.where(p.temperature > 0, drawn, greedy)
 
-    tokens = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda: greedy)
+    tokens = select_cond.cond(jnp.any(p.temperature > 0), draw, lambda: greedy)
     k = min(MAX_LOGPROBS, logits.shape[-1])
 
     def with_logprobs():
@@ -217,5 +219,5 @@ def sample(logits, p: SamplingInputs, processed=None, greedy=None) -> SamplerOut
         s = logits.shape[0]
         return jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
 
-    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(p.want_logprobs), with_logprobs, without)
+    chosen, top_ids, top_lp = select_cond.cond(jnp.any(p.want_logprobs), with_logprobs, without)
     return SamplerOutput(tokens, chosen, top_ids, top_lp)

@@ -28,10 +28,17 @@ import jax.numpy as jnp
 from .reference import F32_DOTS, NEG_INF
 
 
+def count_at_most(sorted_values: jax.Array, x: jax.Array) -> jax.Array:
+    """[len(x)] int32: how many of sorted_values are <= each x (searchsorted, side "right"),
+    as one compare-and-sum. jnp's default binary search is a while loop, which XLA:GPU drives
+    from the host, several tiny kernels per iteration, in every layer of every step."""
+    return jnp.searchsorted(sorted_values, x, side="right", method="compare_all").astype(jnp.int32)
+
+
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     """[T] int32: the sequence owning each token (S for tokens no sequence owns)."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    s = jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1  # last start <= t
+    s = count_at_most(cu_q_lens, t) - 1  # last start <= t
     s = jnp.clip(s, 0, cu_q_lens.shape[0] - 2)
     owned = (t >= cu_q_lens[s]) & (t < cu_q_lens[s + 1])
     return jnp.where(owned, s, cu_q_lens.shape[0] - 1)
@@ -80,7 +87,7 @@ def to_rows(q, block_tables, kv_lens, cu_q_lens, tile: int):
     row_end = jnp.cumsum(rows_per_seq)
     row_start = row_end - rows_per_seq
     ridx = jnp.arange(r, dtype=jnp.int32)
-    rseq = jnp.minimum(jnp.searchsorted(row_end, ridx, side="right"), s - 1).astype(jnp.int32)  # [R]
+    rseq = jnp.minimum(count_at_most(row_end, ridx), s - 1)  # [R]
     live = ridx < row_end[-1]
     first = (ridx - row_start[rseq]) * tile  # first query index of the row within its sequence
     row_q = jnp.where(live, jnp.clip(q_lens[rseq] - first, 0, tile), 0)

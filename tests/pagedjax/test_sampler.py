@@ -139,3 +139,55 @@ def test_argmax_is_the_first_maximum_of_each_row():
         x[7, [c + 9, c + 2]] = top  # a tie within one block past the first
         x[8, [2 * c - 1]] = top  # the last of a block past the first
         np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.argmax(x, -1), err_msg=str(v))
+
+
+def _sampler_cases():
+    """(name, logits [6, V], SamplingInputs, bitmask, penalty state): greedy, sampled with
+    filters and log-probabilities, penalties, a token mask, drafts: every cond of sample_step."""
+    from pagedjax.penalties import PenaltyState
+
+    n, v = 6, 40
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.normal(size=(n, v)) * 3, jnp.float32)
+    ones = jnp.full((n, 2), -1, jnp.int32)  # [S, W]: every token allowed
+    state = PenaltyState(jnp.asarray(rng.integers(0, 3, (8, v)), jnp.int32), jnp.asarray(rng.random((8, v)) < 0.2),
+                         jnp.zeros((8, v), jnp.float32))
+    base = dict(temperature=jnp.asarray([0, 0.8, 1.2, 0, 1.0, 0.5], jnp.float32),
+                top_k=jnp.asarray([0, 5, 0, 0, 0, 600], jnp.int32), top_p=jnp.asarray([1, 1, 0.9, 1, 1, 0.99], jnp.float32),
+                min_p=jnp.asarray([0, 0, 0, 0, 0.1, 0], jnp.float32), seed=jnp.arange(n, dtype=jnp.uint32),
+                step=jnp.arange(n, dtype=jnp.int32), want_logprobs=jnp.asarray([1, 0, 1, 0, 0, 1], bool),
+                penalty_slot=jnp.full(n, -1, jnp.int32), repetition=jnp.full(n, 1.3, jnp.float32),
+                frequency=jnp.full(n, 0.5, jnp.float32), presence=jnp.full(n, 0.2, jnp.float32),
+                produces=jnp.ones(n, bool), constrained=jnp.zeros(n, bool), draft_next=jnp.full(n, -1, jnp.int32))
+    masked = ones.at[1].set(jnp.asarray([0b1011, 0], jnp.int32))
+    cases = {"plain": ({}, ones), "greedy only": ({"temperature": jnp.zeros(n, jnp.float32)}, ones),
+             "penalties": ({"penalty_slot": jnp.asarray([0, -1, 3, 7, -1, 2], jnp.int32)}, ones),
+             "mask": ({"constrained": jnp.asarray([0, 1, 0, 0, 0, 0], bool)}, masked),
+             "drafts": ({"draft_next": jnp.asarray([4, -1, 7, 9, 1, -1], jnp.int32)}, ones)}
+    return [(name, x, SamplingInputs(**{**base, **changes}), mask, state) for name, (changes, mask) in cases.items()]
+
+
+def test_sampler_selects_on_gpus_as_it_branches_elsewhere():
+    """On GPUs each cond of the sampler is both branches and a select (pagedjax.select_cond:
+    no conditional, which would make the host wait for the device); the samples, log-
+    probabilities, draft verdicts and penalty counts are those of the branching form."""
+    from pagedjax import select_cond
+    from pagedjax.sampler import sample_step
+
+    for name, x, p, mask, state in _sampler_cases():
+        runs = {}
+        for select in (False, True):
+            jax.clear_caches()
+            with select_cond.forced(select):
+                fn = jax.jit(lambda *a: sample_step(*a))
+                hlo = fn.lower(x, p, mask, state).as_text()
+                assert ("stablehlo.case" in hlo or "stablehlo.if" in hlo) != select, name
+                runs[select] = jax.tree.map(np.asarray, fn(x, p, mask, state))
+        jax.clear_caches()
+        (state_b, out_b), (state_s, out_s) = runs[False], runs[True]
+        np.testing.assert_array_equal(state_s.counts, state_b.counts, err_msg=name)
+        for field in ("tokens", "top_ids", "accepted", "resampled"):
+            np.testing.assert_array_equal(getattr(out_s, field), getattr(out_b, field), err_msg=f"{name}: {field}")
+        for field in ("logprobs", "top_logprobs"):
+            np.testing.assert_allclose(getattr(out_s, field), getattr(out_b, field), rtol=1e-6, atol=1e-6,
+                                       err_msg=f"{name}: {field}")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.kv_cache import copy_blocks
+from models.kv_cache import copy_blocks, copy_blocks_at_once
 from pallas_kernels import dense_attention, paged_attention, paged_attention_reference, write_kv
 from pallas_kernels.paged_attention import (cpu_native, packed_attention_reference, packed_paged_attention,
                                             reference)
@@ -115,10 +115,12 @@ def test_cpu_write_is_native_and_in_place():
     assert exe.memory_analysis().alias_size_in_bytes >= 2 * k.nbytes
 
 
+@pytest.mark.parametrize("fn", [copy_blocks, copy_blocks_at_once])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_copy_blocks(dtype):
+def test_copy_blocks(dtype, fn):
     """Copy-on-write of blocks in every layer (on CPU a bf16 pool goes through the native
-    in-place copy): real copies first, padding entries (dst >= NB) ignored."""
+    in-place copy; accelerators copy all entries at once): real copies first, padding
+    entries (dst >= NB) ignored."""
     layers, nb = 3, 10
     rng = np.random.default_rng(6)
     kv = tuple(jnp.asarray(rng.standard_normal((2, layers * nb, 4, 8)), dtype) for _ in range(2))
@@ -128,7 +130,15 @@ def test_copy_blocks(dtype):
         for layer in range(layers):
             for a, b in ((1, 7), (4, 2)):
                 w[:, layer * nb + b] = w[:, layer * nb + a]
-    got = jax.jit(copy_blocks, static_argnums=(1,), donate_argnums=(0,))(kv, layers, src, dst)
+    got = jax.jit(fn, static_argnums=(1,), donate_argnums=(0,))(kv, layers, src, dst)
     for g, w in zip(got, want):
         assert g.dtype == dtype
         np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_copy_blocks_at_once_has_no_loop():
+    """The accelerator form is one gather and one scatter: no while loop (XLA:GPU would wait
+    for the device to read a loop's trip count, once a step)."""
+    kv = tuple(jnp.zeros((2, 30, 4, 8), F32) for _ in range(2))
+    idx = jnp.zeros(4, jnp.int32)
+    assert "while" not in jax.jit(copy_blocks_at_once, static_argnums=(1,)).lower(kv, 3, idx, idx).as_text()

@@ -96,6 +96,15 @@ def test_rows_round_trip():
     assert np.all(np.asarray(back)[owned:] == 0)
 
 
+def test_row_layout_has_no_loop():
+    """The packed -> rows layout runs in every layer of every step: no while loop (jnp's
+    binary search is one, which XLA:GPU drives from the host, kernel by kernel)."""
+    q, _, _, tables, kv_lens, cu = make_step(np.random.default_rng(3), [1, 19, 0, 4], [3, 0, 0, 2])
+    for tile in (1, 8):
+        hlo = jax.jit(to_rows, static_argnums=(4,)).lower(q, tables, kv_lens, cu, tile).as_text()
+        assert "while" not in hlo
+
+
 def test_token_sequence_ids_skip_empty_sequences():
     cu = jnp.asarray([0, 2, 2, 5, 5], jnp.int32)
     assert np.asarray(token_sequence_ids(cu, 7)).tolist() == [0, 0, 2, 2, 2, 4, 4]
