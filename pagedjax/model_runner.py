@@ -111,6 +111,7 @@ class ModelRunner:
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
         self._prompt_executables: dict[int, object] = {}  # T bucket -> compiled prompt logprobs
+        self._hidden_specs: dict[int, jax.ShapeDtypeStruct] = {}  # T bucket -> the step's hidden output
         self._primed: set[int] = set()  # T buckets that have run once (the warm-up's prime_bucket, or a step)
         self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
         self._compile_lock = threading.Lock()
@@ -182,10 +183,22 @@ class ModelRunner:
                                                            spec(self._bitmask_ones(s, host=True)), pspec).compile()
                 self._executables[t] = lowered.compile()
                 hidden = lowered.out_info[2]
-                hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self._rows_by_rank)
-                self._prompt_executables[t] = self._prompt_logprobs.lower(
-                    self._specs[0], hidden, specs[0].prompt_next).compile()
+                self._hidden_specs[t] = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self._rows_by_rank)
             return self._executables[t]
+
+    def prompt_executable(self, t: int):
+        """The prompt-logprobs executable of the step of T = t tokens, compiled now if it is
+        not yet (the warm-up compiles them after every step shape: few requests ask)."""
+        exe = self._prompt_executables.get(t)
+        if exe is not None:
+            return exe
+        self.compile_bucket(t)
+        with self._compile_lock:
+            if t not in self._prompt_executables:
+                nxt = jax.ShapeDtypeStruct((self.dp * t,), jnp.int32, sharding=self._by_rank)
+                self._prompt_executables[t] = self._prompt_logprobs.lower(self._specs[0], self._hidden_specs[t],
+                                                                          nxt).compile()
+            return self._prompt_executables[t]
 
     def prime_bucket(self, t: int) -> None:
         """Compiles the step of T = t and runs it once on inputs that write and keep nothing
@@ -198,10 +211,9 @@ class ModelRunner:
         inputs, sampling, copies = self._idle_inputs(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:
-            self.kv, logits, hidden = step(self._weights, self.kv, inputs, copies, self._prev_tokens(None))
+            self.kv, logits, _ = step(self._weights, self.kv, inputs, copies, self._prev_tokens(None))
             self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
-        plp = self._prompt_executables[t](self._weights, hidden, inputs.prompt_next)  # nobody asks: chunks skipped
-        jax.block_until_ready((out.tokens, plp))
+        jax.block_until_ready(out.tokens)
         self._primed.add(t)
 
     def _prev_tokens(self, prev: PendingStep | None, host: bool = False):
@@ -247,6 +259,8 @@ class ModelRunner:
         self._compile_load_slot()
         for t in tqdm(self.buckets.token_buckets(), desc="compiling step buckets", disable=not progress, unit="shape"):
             self.prime_bucket(t)
+        for t in self.buckets.token_buckets():
+            self.prompt_executable(t)
 
     def start_background_warmup(self, first: int = 1) -> None:
         """Compiles the `first` smallest buckets now and the rest on a background thread, so
@@ -265,6 +279,11 @@ class ModelRunner:
                     if self._stop_warmup.is_set():
                         return
                     self.prime_bucket(t)
+                for t in ladder:  # prompt logprobs last: every step shape is ready first
+                    self._warmup_go.wait()
+                    if self._stop_warmup.is_set():
+                        return
+                    self.prompt_executable(t)
             except BaseException as e:  # surfaced by wait_for_warmup and stats
                 self.warmup_error = e
 
@@ -419,7 +438,7 @@ class ModelRunner:
             + (["accepted", "resampled"] if (sampling.draft_next >= 0).any() else [])
         plp = None
         if (inputs.prompt_next >= 0).any():
-            plp = self._prompt_executables[t](self._weights, hidden, inputs.prompt_next)
+            plp = self.prompt_executable(t)(self._weights, hidden, inputs.prompt_next)
         self._primed.add(t)
         return PendingStep(t, out, padded, wanted, plp, began, first_run)
 

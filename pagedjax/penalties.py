@@ -5,7 +5,9 @@ while it runs: its output-token counts, which tokens its prompt holds, and its l
 as a dense row. The slot is loaded once from the request's tokens (`load_slot`, a small
 jitted function with fixed shapes) and then kept current by the sampler, which adds each
 sampled token to its row's counts. Rows without a slot pay nothing: the sampler skips the
-whole computation when no row of a step has one (a `lax.cond` on the step's flags).
+penalties when no row of a step has one (a `lax.cond` on the step's flags; on GPUs, where a
+conditional makes the host wait, a select: pagedjax.select_cond), and their counts' scatter
+entries are dropped.
 
 With data parallelism each rank has its own `slots_per_rank` rows (rank-major), sharded on
 "data", exactly like its KV pool.
