@@ -5,11 +5,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from script_module import SCRIPTS, load_script
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_step_anatomy.py"
+SCRIPT = SCRIPTS / "gpu_step_anatomy.py"
 
 # shaped as XLA prints a thunk sequence: a loop's "condition:" header at column 0
 THUNKS = """\
@@ -68,11 +68,7 @@ ENTRY %main (a: f32[]) -> f32[] {
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_step_anatomy", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_step_anatomy"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu_step_anatomy")
 
 
 def test_counts_launches_kernels_syncs_and_slice_copies():

@@ -1,22 +1,15 @@
 """scripts/bench_serving.py against the fake server, with a handful of requests."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
+
+from script_module import load_script
 
 from .fake_engine import W0
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "bench_serving.py"
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_serving")
 
 
 def test_bench_serving(server, tmp_path):
