@@ -15,7 +15,10 @@ slot_mapping = slot * L + position.
 
 The slot is walked in contiguous chunks of `chunk_tokens` rows (a dynamic slice per sequence)
 with an online softmax; the loop's trip count is cdiv(max(kv_lens), chunk_tokens), so a step
-pays for the longest live sequence, not for all L reserved rows.
+pays for the longest live sequence, not for all L reserved rows. On GPUs, where XLA drives a
+loop from the host and a trip count read from the device makes the host wait at every
+iteration, the walk covers all L rows (cdiv(L, chunk_tokens), known when compiling), masked:
+what a static dense cache costs.
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ from pallas_kernels.paged_attention.reference import (F32_DOTS, NEG_INF, _fold_g
                                                       run_online_softmax)
 
 DEFAULT_CHUNK_TOKENS = 128
+# where a loop whose trip count is a device value (the longest sequence) makes the host wait for the
+# device at every iteration (XLA:GPU reads the predicate back): there the walk covers the whole
+# slot, as a static dense cache does, a trip count known when compiling
+WALK_WHOLE_SLOT_BACKENDS = ("gpu", "cuda", "rocm")
 
 
 def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
@@ -57,7 +64,10 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
     qg = _fold_gqa(q, hkv).astype(jnp.float32) * scale  # [S, Hkv, G, Q, D]
     qpos = query_positions(kv_lens, q_lens, nq)  # [S, Q]
     q_valid = jnp.arange(nq)[None, :] < q_lens[:, None]  # [S, Q]
-    num_chunks = (jnp.max(kv_lens) + c - 1) // c
+    if jax.default_backend() in WALK_WHOLE_SLOT_BACKENDS:
+        num_chunks = -(-max_len // c)  # every chunk of the slot, masked past each sequence
+    else:
+        num_chunks = (jnp.max(kv_lens) + c - 1) // c  # up to the longest sequence of the step
 
     def rows(cache, start):
         """Rows [start, start + c) of every sequence's slot: [S, Hkv, C, D] float32."""

@@ -179,7 +179,7 @@ def count(thunks: list[Thunk], trips: dict[str, int | None]) -> Counts:
     return c
 
 
-def build_runner(model: str, scan: bool):
+def build_runner(model: str, scan: bool, kv_cache: str = "paged"):
     """The engine's ModelRunner, built on the CPU as the GPU backend would build it."""
     import jax
     from pagedjax import LLM
@@ -187,7 +187,8 @@ def build_runner(model: str, scan: bool):
     real = jax.default_backend
     jax.default_backend = lambda: "gpu"  # kernels and layer layout are chosen by backend when traced
     try:
-        llm = LLM(model, dtype="bfloat16", max_num_seqs=16, max_model_len=1024, scan_layers=scan, warmup=False)
+        llm = LLM(model, dtype="bfloat16", max_num_seqs=16, max_model_len=1024, scan_layers=scan, warmup=False,
+                  kv_cache=kv_cache)
     except Exception:
         jax.default_backend = real
         raise
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: random SmolLM2-135M-shaped)")
     p.add_argument("--tokens", default="16,64", help="step sizes T to compile, comma separated (each a bucket)")
     p.add_argument("--scan-layers", default="on,off", help="layer layouts to compile: on (lax.scan), off (unrolled)")
+    p.add_argument("--kv-cache", choices=["paged", "dense"], default="paged", help="the KV cache backend")
     args = p.parse_args(argv)
 
     dump = Path(tempfile.mkdtemp(prefix="gpu_step_anatomy_"))
@@ -245,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
 
         model = tempfile.mkdtemp(prefix="smollm2_random_")
         write_random_checkpoint(Path(model))
-    print(f"step of the engine compiled for {device.device_kind} (deviceless); jax {jax.__version__}")
+    print(f"step of the engine ({args.kv_cache} KV cache) compiled for {device.device_kind} (deviceless); "
+          f"jax {jax.__version__}")
     print(f"{'layers':>9} {'T':>5} {'part':>8} {'launches':>9} {'kernels':>8} {'host syncs':>11} {'slice copies':>13}")
     for layout in args.scan_layers.split(","):
-        runner, real_backend = build_runner(model, {"on": True, "off": False}[layout])
+        runner, real_backend = build_runner(model, {"on": True, "off": False}[layout], args.kv_cache)
         try:
             for t in (int(x) for x in args.tokens.split(",")):
                 before = set(dump.glob("*"))

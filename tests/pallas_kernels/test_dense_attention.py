@@ -67,3 +67,23 @@ def test_write_then_attend_jitted():
     got = jax.jit(lambda *a: dense_attention(*a, scale=1.0, chunk_tokens=16, impl="xla"))(*args)
     want = paged_attention_reference(q, k, v, args[3][:, None], args[4], args[5], scale=1.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_len,chunk", [(64, 16), (100, 32)])
+def test_gpu_walks_the_whole_slot_with_a_trip_count_known_when_compiling(max_len, chunk, monkeypatch):
+    """On GPUs (traced with the backend reported as "gpu") the chunk loop covers the whole slot,
+    a trip count XLA knows (a device-read one makes XLA:GPU's host wait at every iteration),
+    and gives what the walk up to the longest sequence gives."""
+    import functools
+    import re
+
+    lens, q_lens = [1, 17, 0, max_len - 3], [1, 3, 0, 3]
+    args = _case(6, max_len, lens, q_lens, 3)
+    fn = functools.partial(dense_attention, scale=0.25, chunk_tokens=chunk, impl="xla")
+    want = jax.jit(fn)(*args)
+    assert "known_trip_count" not in jax.jit(fn).lower(*args).compile().as_text()  # up to the longest: dynamic
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    gpu = jax.jit(lambda *a: fn(*a))
+    trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"', gpu.lower(*args).compile().as_text())
+    assert trips == [str(-(-max_len // chunk))]
+    np.testing.assert_allclose(np.asarray(gpu(*args)), np.asarray(want), atol=1e-6, rtol=1e-6)
