@@ -150,8 +150,9 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
 
     src, dst: [C] int32; the real copies come first, then padding entries with dst out of
     range (>= NB). No dst is another entry's src (dst blocks are fresh), so the copies are
-    independent. On CPU a loop over the real copies only: a step with no copies costs
-    nothing. Elsewhere all C entries at once, padding dropped (`copy_blocks_at_once`).
+    independent. The engine runs it apart from the step, only when a step has copies. On CPU
+    a loop over the real copies only; on accelerators all C entries at once, padding dropped
+    (`copy_blocks_at_once`: a GPU would wait for the device to read the loop's trip count).
     """
     if cpu_native.native_write_supported(kv[0].dtype):  # bf16 on CPU: XLA would widen the pool to f32
         return cpu_native.copy_blocks_native(tuple(kv), num_layers, src, dst)

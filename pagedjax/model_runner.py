@@ -109,6 +109,8 @@ class ModelRunner:
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._sample = jax.jit(self._sample_fn, donate_argnums=(3,))
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
+        self._copy_blocks = jax.jit(self._copy_blocks_fn, donate_argnums=(0,))
+        self._copy_executable = None  # compiled copy-on-write, [dp * max_num_seqs] (src, dst)
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
         self._prompt_executables: dict[int, object] = {}  # T bucket -> compiled prompt logprobs
         self._hidden_specs: dict[int, jax.ShapeDtypeStruct] = {}  # T bucket -> the step's hidden output
@@ -124,11 +126,10 @@ class ModelRunner:
         self.warmup_error: BaseException | None = None
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
 
-    def _forward(self, weights, kv, inputs: StepInputs, copies, prev_tokens):
+    def _forward(self, weights, kv, inputs: StepInputs, prev_tokens):
         """-> (kv, logits [dp * S, V] of each sequence's last token, hidden [dp * T, E] for
         prompt logprobs). weights: the model state's leaves; prev_tokens [dp * R_max]: the
         previous step's sampled tokens (see prev_rows)."""
-        kv = copy_blocks_sharded(kv, self.num_layers, *copies, self.mesh)  # copy-on-write before any write
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_tree, weights))
         tokens = jnp.where(inputs.prev_rows >= 0, prev_tokens[jnp.maximum(inputs.prev_rows, 0)], inputs.tokens)
         hidden, kv = model(tokens, inputs.md, kv, self.cache)  # [dp * T, E]
@@ -140,6 +141,17 @@ class ModelRunner:
         # sampling sees exactly what one device sees
         logits = jax.lax.with_sharding_constraint(model.logits(rows), self._rows_by_rank)
         return kv, logits, jax.lax.with_sharding_constraint(hidden, self._rows_by_rank)
+
+    def _copy_blocks_fn(self, kv, src, dst):
+        """Copy-on-write of blocks src -> dst [dp * max_num_seqs] (padding: dst = num_blocks),
+        run before a step only when it has copies (few steps do: a fork, or a shared block
+        about to be written), so a step without pays nothing on any backend."""
+        return copy_blocks_sharded(kv, self.num_layers, src, dst, self.mesh)
+
+    def _compile_copy_blocks(self) -> None:
+        if self._copy_executable is None:
+            spec = jax.ShapeDtypeStruct((self.dp * self.buckets.max_num_seqs,), jnp.int32, sharding=self._by_rank)
+            self._copy_executable = self._copy_blocks.lower(self._specs[1], spec, spec).compile()
 
     def _prompt_logprobs_fn(self, weights, hidden, prompt_next):
         """PromptLogprobs [dp * T] of a step's positions from its hidden [dp * T, E]; run only
@@ -169,9 +181,9 @@ class ModelRunner:
             return exe
         with self._compile_lock:
             if t not in self._executables:
-                inputs, sampling, copies = self._idle_inputs(t)
+                inputs, sampling, _ = self._idle_inputs(t)
                 spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._by_rank)
-                specs = jax.tree.map(spec, (inputs, copies, self._prev_tokens(None, host=True)))
+                specs = jax.tree.map(spec, (inputs, self._prev_tokens(None, host=True)))
                 lowered = self._step.lower(*self._specs, *specs)
                 s = self.buckets.num_rows(t)
                 if s not in self._samplers:
@@ -208,10 +220,10 @@ class ModelRunner:
         if t in self._primed:
             return
         step = self.compile_bucket(t)
-        inputs, sampling, copies = self._idle_inputs(t)
+        inputs, sampling, _ = self._idle_inputs(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:
-            self.kv, logits, _ = step(self._weights, self.kv, inputs, copies, self._prev_tokens(None))
+            self.kv, logits, _ = step(self._weights, self.kv, inputs, self._prev_tokens(None))
             self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
         jax.block_until_ready(out.tokens)
         self._primed.add(t)
@@ -257,6 +269,7 @@ class ModelRunner:
         from tqdm import tqdm
 
         self._compile_load_slot()
+        self._compile_copy_blocks()
         for t in tqdm(self.buckets.token_buckets(), desc="compiling step buckets", disable=not progress, unit="shape"):
             self.prime_bucket(t)
         for t in self.buckets.token_buckets():
@@ -269,6 +282,7 @@ class ModelRunner:
         run in buckets already compiled: on a few cores a compile slows every step beside it)."""
         ladder = self.buckets.token_buckets()
         self._compile_load_slot()
+        self._compile_copy_blocks()
         for t in ladder[:first]:
             self.prime_bucket(t)
 
@@ -344,7 +358,8 @@ class ModelRunner:
         prompt_next = np.full(dp * t, -1, np.int32)
         prev_rows = np.full(dp * t, -1, np.int32)
         sampling = _SamplingArrays(dp * r)
-        src, dst = np.zeros(dp * s, np.int32), np.full(dp * s, self.cache.num_blocks, np.int32)
+        c = self.buckets.max_num_seqs  # copies per rank: at most one per sequence row
+        src, dst = np.zeros(dp * c, np.int32), np.full(dp * c, self.cache.num_blocks, np.int32)
         for rank, out in enumerate(outs):
             if out is None:
                 continue
@@ -384,7 +399,8 @@ class ModelRunner:
                 sample_row += n
             cu[c0 + len(out.requests) + 1:c0 + s + 1] = off
             if out.copies:
-                src[s0:s0 + len(out.copies)], dst[s0:s0 + len(out.copies)] = zip(*out.copies)
+                n = len(out.copies)
+                src[rank * c:rank * c + n], dst[rank * c:rank * c + n] = zip(*out.copies)
         md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
         return t, StepInputs(tokens, md, logits_indices, prompt_next, prev_rows), sampling.inputs(), (src, dst)
 
@@ -424,7 +440,11 @@ class ModelRunner:
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
         with self._state_lock:
-            self.kv, logits, hidden = step(self._weights, self.kv, inputs, copies, self._prev_tokens(prev))  # runs async
+            if (copies[1] < self.cache.num_blocks).any():  # copy-on-write before the step writes
+                first_run |= self._copy_executable is None  # compiles now (no warm-up ran)
+                self._compile_copy_blocks()
+                self.kv = self._copy_executable(self.kv, *copies)
+            self.kv, logits, hidden = step(self._weights, self.kv, inputs, self._prev_tokens(prev))  # runs async
             for args in self._pending_loads:
                 self.penalties = penalties.load_slot(self.penalties, *args)
             self._pending_loads = []
@@ -438,6 +458,7 @@ class ModelRunner:
             + (["accepted", "resampled"] if (sampling.draft_next >= 0).any() else [])
         plp = None
         if (inputs.prompt_next >= 0).any():
+            first_run |= t not in self._prompt_executables  # a compile here is no step's cost
             plp = self.prompt_executable(t)(self._weights, hidden, inputs.prompt_next)
         self._primed.add(t)
         return PendingStep(t, out, padded, wanted, plp, began, first_run)

@@ -5,8 +5,8 @@ tokens before it, computed from the hidden states of the step that ran the promp
 when the host sees some position ask does it run `compute`, an executable of its own beside
 the step (a `lax.cond` inside the step would make XLA:GPU wait for the device at every step
 to read its predicate); it computes logits in chunks of positions (so the [T, V] logits never
-exist at once), skipping chunks nobody asked about. A request asking for them reads no
-prefix cache, so every prompt position passes through a step.
+exist at once), skipping chunks nobody asked about (except on GPUs, see select_cond). A
+request asking for them reads no prefix cache, so every prompt position passes through a step.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax import select_cond
 from pagedjax.sampling_params import MAX_LOGPROBS
 
 CHUNK = 128  # positions per logits chunk
@@ -49,7 +50,9 @@ def compute(logits_fn, hidden, prompt_next, dp: int = 1) -> PromptLogprobs:
 
         skip = lambda: (jnp.zeros(nxt.shape, jnp.float32), jnp.zeros((*nxt.shape, k), jnp.int32),
                         jnp.zeros((*nxt.shape, k), jnp.float32))
-        return jax.lax.cond(jnp.any(nxt >= 0), compute, skip)  # chunks nobody asked about cost nothing
+        # chunks nobody asked about cost nothing (on GPUs, where a conditional makes the host
+        # wait, every chunk is computed: select_cond)
+        return select_cond.cond(jnp.any(nxt >= 0), compute, skip)
 
     h = hidden.reshape(dp, t // c, c, e).transpose(1, 0, 2, 3)  # [chunks, dp, c, E]
     nxt = prompt_next.reshape(dp, t // c, c).transpose(1, 0, 2)

@@ -76,7 +76,8 @@ def _filtered_logits(logits, p: SamplingInputs):
     """Temperature, then top-k, top-p and min-p masks (-inf outside). logits [S, V] f32.
     A step where no sampled row filters skips them (a full sort of the vocabulary costs
     ~140 ms for 16 rows on a CPU); otherwise the cut is found among each row's
-    TOP_CANDIDATES largest logits, and from a full sort only when some row keeps more."""
+    TOP_CANDIDATES largest logits, and from a full sort only when some row keeps more. On
+    GPUs (select_cond) both the candidates and the full sort are computed at every step."""
     v = logits.shape[-1]
     temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
     x = logits / temp[:, None]
@@ -125,7 +126,8 @@ def apply_bitmask(logits, bitmask, constrained):
 def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int = 1):
     """One step's sampling with every logit processor: logits [S, V] float32, bitmask
     [S, W] -> (state with the kept tokens counted, SamplerOutput). Each processor runs only
-    when some row of the step uses it."""
+    when some row of the step uses it (on GPUs always: see select_cond; a row that does not
+    use it is left as it is)."""
     penalized, constrained = jnp.any(p.penalty_slot >= 0), jnp.any(p.constrained)
 
     def processed():  # [S, V]: the logits tokens are drawn from
@@ -135,10 +137,12 @@ def sample_step(logits, p: SamplingInputs, bitmask, state: PenaltyState, dp: int
                              lambda: logits)
         return select_cond.cond(constrained, lambda: apply_bitmask(x, bitmask, p.constrained), lambda: x)
 
-    # one branch builds the processed logits once (and reads the penalty table once, so its
-    # in-place update needs no copy); a step with no processor draws from the logits as they are.
     # Each cond is a branch on CPU and TPU, both branches and a select on GPUs (select_cond).
-    out = select_cond.cond(penalized | constrained, lambda: _draw_and_verify(logits, processed(), p),
+    if select_cond.selects():  # processed() is the logits themselves where no row uses a processor: draw once
+        out = _draw_and_verify(logits, processed(), p)
+    else:  # one branch builds the processed logits once (and reads the penalty table once, so its
+        # in-place update needs no copy); a step with no processor draws from the logits as they are
+        out = jax.lax.cond(penalized | constrained, lambda: _draw_and_verify(logits, processed(), p),
                            lambda: _draw_and_verify(logits, logits, p))
     # rows without a slot count nothing (their scatter entries are dropped), so there is no
     # branch to skip; a select would copy the whole table

@@ -209,9 +209,9 @@ def compile_step(runner, device, t: int):
     runner._by_rank, runner._rows_by_rank = NamedSharding(mesh, P(data)), NamedSharding(mesh, P(data, None))
     on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
         mesh, x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()))
-    inputs, sampling, copies = runner._idle_inputs(t)
+    inputs, sampling, _ = runner._idle_inputs(t)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=runner._by_rank)
-    args = jax.tree.map(on_device, runner._specs) + jax.tree.map(spec, (inputs, copies, runner._prev_tokens(None, True)))
+    args = jax.tree.map(on_device, runner._specs) + jax.tree.map(spec, (inputs, runner._prev_tokens(None, True)))
     forward = runner._step.lower(*args).compile()
     s = runner.buckets.num_rows(t)
     logits = jax.ShapeDtypeStruct((s, runner.vocab_size), jnp.float32, sharding=runner._rows_by_rank)

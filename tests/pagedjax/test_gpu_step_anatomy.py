@@ -125,12 +125,14 @@ def test_gpu_step_has_no_conditional_and_no_loop_but_the_layers(tiny_checkpoints
     eng = LLMEngine(str(path), stream_text=False, block_size=16, max_num_seqs=4, max_model_len=64,
                     num_blocks=16, max_num_batched_tokens=32, scan_layers=scan)
     runner = eng.runner
-    inputs, sampling, copies = runner._idle_inputs(16)
+    inputs, sampling, (src, dst) = runner._idle_inputs(16)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     unsharded = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     forward = export.export(runner._step, platforms=["cuda"], disabled_checks=checks)(
-        *jax.tree.map(unsharded, runner._specs), *jax.tree.map(spec, (inputs, copies, runner._prev_tokens(None, True))))
+        *jax.tree.map(unsharded, runner._specs), *jax.tree.map(spec, (inputs, runner._prev_tokens(None, True))))
+    copy = export.export(runner._copy_blocks, platforms=["cuda"])(jax.tree.map(unsharded, runner._specs[1]),
+                                                                    spec(src), spec(dst))
     s = runner.buckets.num_rows(16)
     sampler = export.export(runner._sample, platforms=["cuda"])(
         jax.ShapeDtypeStruct((s, runner.vocab_size), jnp.float32), jax.tree.map(spec, sampling),
@@ -138,5 +140,6 @@ def test_gpu_step_has_no_conditional_and_no_loop_but_the_layers(tiny_checkpoints
     text = forward.mlir_module()
     assert "xla.gpu.triton" in text  # the Pallas GPU kernels, as on the device
     assert text.count("stablehlo.while") == (1 if scan else 0)
-    for name, mod in (("forward", text), ("sampler", sampler.mlir_module())):
+    assert "stablehlo.while" not in copy.mlir_module()  # copy-on-write: all entries at once
+    for name, mod in (("forward", text), ("sampler", sampler.mlir_module()), ("copy", copy.mlir_module())):
         assert "stablehlo.case" not in mod and "stablehlo.if" not in mod, name

@@ -47,6 +47,24 @@ def test_compiled_step_updates_the_cache_in_place(engine, t):
     assert _pool_copies(exe.as_text(), runner.kv[0].shape) == []
 
 
+def test_copy_on_write_runs_apart_and_in_place(engine):
+    """Copy-on-write is its own executable, run only before a step that has copies: the
+    donated cache is its output, with no pool-sized copy (on CPU, and in the all-at-once form
+    accelerators run)."""
+    import jax
+
+    from models.kv_cache import copy_blocks_at_once
+
+    runner = engine.runner
+    runner._compile_copy_blocks()
+    pool_bytes = 2 * runner.kv[0].nbytes
+    idx = jax.ShapeDtypeStruct((runner.dp * runner.buckets.max_num_seqs,), np.int32)
+    at_once = jax.jit(lambda kv, s, d: copy_blocks_at_once(kv, runner.num_layers, s, d), donate_argnums=(0,))
+    for exe in (runner._copy_executable, at_once.lower(runner._specs[1], idx, idx).compile()):
+        assert exe.memory_analysis().alias_size_in_bytes >= pool_bytes
+        assert _pool_copies(exe.as_text(), runner.kv[0].shape) == []
+
+
 def _computations(hlo: str) -> dict[str, list[str]]:
     """HLO module text -> each computation's instruction lines, by name."""
     comps, name = {}, None
