@@ -286,18 +286,16 @@ class ModelRunner:
         for t in ladder[:first]:
             self.prime_bucket(t)
 
+        # prompt logprobs last: every step shape is ready first
+        jobs = [(self.prime_bucket, t) for t in ladder[first:]] + [(self.prompt_executable, t) for t in ladder]
+
         def run():
             try:
-                for t in ladder[first:]:
+                for job, t in jobs:
                     self._warmup_go.wait()
                     if self._stop_warmup.is_set():
                         return
-                    self.prime_bucket(t)
-                for t in ladder:  # prompt logprobs last: every step shape is ready first
-                    self._warmup_go.wait()
-                    if self._stop_warmup.is_set():
-                        return
-                    self.prompt_executable(t)
+                    job(t)
             except BaseException as e:  # surfaced by wait_for_warmup and stats
                 self.warmup_error = e
 

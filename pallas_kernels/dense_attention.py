@@ -26,16 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import packed
+from pallas_kernels.paged_attention.ops import GPU_BACKENDS
 from pallas_kernels.paged_attention.cpu_native import (native_supported, packed_attention_native,
                                                        paged_attention_native)
 from pallas_kernels.paged_attention.reference import (F32_DOTS, NEG_INF, _fold_gqa, online_softmax_update, query_positions,
                                                       run_online_softmax)
 
 DEFAULT_CHUNK_TOKENS = 128
-# where a loop whose trip count is a device value (the longest sequence) makes the host wait for the
-# device at every iteration (XLA:GPU reads the predicate back): there the walk covers the whole
-# slot, as a static dense cache does, a trip count known when compiling
-WALK_WHOLE_SLOT_BACKENDS = ("gpu", "cuda", "rocm")
 
 
 def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
@@ -64,7 +61,7 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
     qg = _fold_gqa(q, hkv).astype(jnp.float32) * scale  # [S, Hkv, G, Q, D]
     qpos = query_positions(kv_lens, q_lens, nq)  # [S, Q]
     q_valid = jnp.arange(nq)[None, :] < q_lens[:, None]  # [S, Q]
-    if jax.default_backend() in WALK_WHOLE_SLOT_BACKENDS:
+    if jax.default_backend() in GPU_BACKENDS:  # a device-read trip count makes XLA:GPU's host wait
         num_chunks = -(-max_len // c)  # every chunk of the slot, masked past each sequence
     else:
         num_chunks = (jnp.max(kv_lens) + c - 1) // c  # up to the longest sequence of the step

@@ -42,7 +42,7 @@ IMPLS = ("auto", "reference", "chunked", "ragged", "native", "pallas_tpu", "pall
          "pallas_tpu_interpret", "pallas_gpu_interpret")
 _XLA_IMPLS = ("reference", "chunked", "ragged", "native")  # one function for every Q
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+GPU_BACKENDS = ("gpu", "cuda", "rocm")  # jax.default_backend() names of GPUs
 
 
 def _check_float(name, x):
@@ -100,7 +100,7 @@ def _resolve(impl, q_dtype, page_size, page_dtype):
     if impl == "auto":
         if backend == "tpu":
             return "pallas_tpu" if tpu_supported(page_size, page_dtype) else "chunked"
-        if backend in _GPU_BACKENDS:
+        if backend in GPU_BACKENDS:
             return "pallas_gpu" if gpu_supported(page_size) else "chunked"
         return "native" if native_supported(q_dtype, page_dtype) else "ragged"
     if impl == "native" and not native_supported(q_dtype, page_dtype):
@@ -109,7 +109,7 @@ def _resolve(impl, q_dtype, page_size, page_dtype):
     if impl == "pallas_tpu" and backend != "tpu":
         raise ValueError(f"impl='pallas_tpu' needs a TPU backend (have {backend!r}); "
                          "use 'pallas_tpu_interpret' on other backends")
-    if impl == "pallas_gpu" and backend not in _GPU_BACKENDS:
+    if impl == "pallas_gpu" and backend not in GPU_BACKENDS:
         raise ValueError(f"impl='pallas_gpu' needs a GPU backend (have {backend!r}); "
                          "use 'pallas_gpu_interpret' on other backends")
     if impl.startswith("pallas_gpu") and not gpu_supported(page_size):
