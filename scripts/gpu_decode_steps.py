@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--speculate", type=int, default=0, help="k > 0: prompt-lookup speculation of k tokens")
     p.add_argument("--allow-cpu", action="store_true")
     args = p.parse_args(argv)
 
@@ -66,14 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     if jax.default_backend() == "cpu" and not args.allow_cpu:
         print("no accelerator: nothing run (pass --allow-cpu for a dry run on the CPU)")
         return 1
-    tag = f"[{args.label or Path(pagedjax.__file__).parent.parent.name} scan={args.scan_layers}]"
+    tag = f"[{args.label or Path(pagedjax.__file__).parent.parent.name} scan={args.scan_layers} k={args.speculate}]"
     print(f"{tag} jax {jax.__version__} on {jax.devices()[0].device_kind}; pagedjax from {pagedjax.__file__}",
           flush=True)
     rng, ids = np.random.default_rng(0), itertools.count()
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(Path(tmp))
         start = time.perf_counter()
-        engine = LLMEngine(tmp, stream_text=False, dtype=args.dtype, max_num_seqs=max(args.batches),
+        spec = dict(speculative_config={"method": "ngram", "num_speculative_tokens": args.speculate,
+                                        "prompt_lookup_min": 1, "prompt_lookup_max": 4}) if args.speculate else {}
+        engine = LLMEngine(tmp, **spec, stream_text=False, dtype=args.dtype, max_num_seqs=max(args.batches),
                            max_model_len=1024, max_num_batched_tokens=512, enable_prefix_caching=False,
                            scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers])
         print(f"{tag} engine built in {time.perf_counter() - start:.1f} s; layers "

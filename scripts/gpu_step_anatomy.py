@@ -202,6 +202,7 @@ def compile_step(runner, device, t: int):
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from pagedjax import host_buffer
 
     data = runner.mesh.axis_names[0]
     mesh = Mesh(np.array([device]).reshape(1, 1), runner.mesh.axis_names)
@@ -210,13 +211,14 @@ def compile_step(runner, device, t: int):
     on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
         mesh, x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()))
     inputs, sampling, _ = runner._idle_inputs(t)
+    (step_buf, step_layout), (sample_buf, sample_layout) = host_buffer.pack(inputs), host_buffer.pack(sampling)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=runner._by_rank)
-    args = jax.tree.map(on_device, runner._specs) + jax.tree.map(spec, (inputs, runner._prev_tokens(None, True)))
-    forward = runner._step.lower(*args).compile()
+    forward = runner._step.lower(*jax.tree.map(on_device, runner._specs), spec(step_buf),
+                                 spec(runner._prev_tokens(None, True)), step_layout).compile()
     s = runner.buckets.num_rows(t)
     logits = jax.ShapeDtypeStruct((s, runner.vocab_size), jnp.float32, sharding=runner._rows_by_rank)
-    sampler = runner._sample.lower(logits, jax.tree.map(spec, sampling), spec(runner._bitmask_ones(s, host=True)),
-                                   jax.tree.map(on_device, runner.penalties)).compile()
+    sampler = runner._sample.lower(logits, spec(sample_buf), spec(runner._bitmask_ones(s, host=True)),
+                                   jax.tree.map(on_device, runner.penalties), sample_layout).compile()
     return forward, sampler
 
 

@@ -118,7 +118,7 @@ def test_gpu_step_has_no_conditional_and_no_loop_but_the_layers(tiny_checkpoints
     import numpy as np
     from jax import export
 
-    from pagedjax import LLMEngine
+    from pagedjax import LLMEngine, host_buffer
 
     path, _ = tiny_checkpoints("llama")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -126,17 +126,18 @@ def test_gpu_step_has_no_conditional_and_no_loop_but_the_layers(tiny_checkpoints
                     num_blocks=16, max_num_batched_tokens=32, scan_layers=scan)
     runner = eng.runner
     inputs, sampling, (src, dst) = runner._idle_inputs(16)
+    (step_buf, step_layout), (sample_buf, sample_layout) = host_buffer.pack(inputs), host_buffer.pack(sampling)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     unsharded = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     forward = export.export(runner._step, platforms=["cuda"], disabled_checks=checks)(
-        *jax.tree.map(unsharded, runner._specs), *jax.tree.map(spec, (inputs, runner._prev_tokens(None, True))))
+        *jax.tree.map(unsharded, runner._specs), spec(step_buf), spec(runner._prev_tokens(None, True)), step_layout)
     copy = export.export(runner._copy_blocks, platforms=["cuda"])(jax.tree.map(unsharded, runner._specs[1]),
                                                                     spec(src), spec(dst))
     s = runner.buckets.num_rows(16)
     sampler = export.export(runner._sample, platforms=["cuda"])(
-        jax.ShapeDtypeStruct((s, runner.vocab_size), jnp.float32), jax.tree.map(spec, sampling),
-        spec(runner._bitmask_ones(s, host=True)), jax.tree.map(unsharded, runner.penalties))
+        jax.ShapeDtypeStruct((s, runner.vocab_size), jnp.float32), spec(sample_buf),
+        spec(runner._bitmask_ones(s, host=True)), jax.tree.map(unsharded, runner.penalties), sample_layout)
     text = forward.mlir_module()
     assert "xla.gpu.triton" in text  # the Pallas GPU kernels, as on the device
     assert text.count("stablehlo.while") == (1 if scan else 0)
