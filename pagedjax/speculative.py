@@ -94,14 +94,17 @@ def _check_positive(name: str, v) -> None:
 def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """Drafts for the tokens that follow `tokens` [L] int: the k tokens after the most recent
     earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that occurs
-    (fewer than k when the match is near the end; [] when nothing matches)."""
+    ([] when nothing matches). A match whose continuation runs into the end says the text
+    repeats with period L - (match end): the drafts go on around that period, as the lookup
+    would propose them one by one after each accepted draft (a repeated token or phrase, which
+    the most recent match would otherwise cut to one or two drafts)."""
     length = len(tokens)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         windows = sliding_window_view(tokens[:length - 1], n)  # [L - n, n]: every earlier n-gram
         hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n  # the token after the most recent match
-            return tokens[start:start + k].tolist()
+            return np.resize(tokens[start:], k).tolist()  # cut to k, or repeated around the period
     return []
 
 

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             for t in (int(x) for x in args.tokens.split(",")):
                 before = set(dump.glob("*"))
                 for name, exe in zip(("forward", "sampler"), compile_step(runner, device, t)):
-                    module = "jit__forward" if name == "forward" else "jit__sample_fn"
+                    module = "jit__forward" if name == "forward" else "jit__sample"
                     seq = [f for f in set(dump.glob(f"*{module}*thunk_sequence*.txt")) - before]
                     if not seq:  # the sampler of this S compiled for a smaller T already
                         continue
