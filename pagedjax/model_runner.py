@@ -118,6 +118,8 @@ class ModelRunner:
         self._hidden_specs: dict[int, jax.ShapeDtypeStruct] = {}  # T bucket -> the step's hidden output
         self._primed: set[int] = set()  # T buckets that have run once (the warm-up's prime_bucket, or a step)
         self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
+        self._step_layouts: dict[int, host_buffer.BufferLayout] = {}  # T -> its StepInputs buffer's layout
+        self._sample_layouts: dict[int, host_buffer.BufferLayout] = {}  # R -> its SamplingInputs buffer's layout
         self._compile_lock = threading.Lock()
         self._state_lock = threading.Lock()  # a dispatch and a warm-up's first run replace kv / penalties one at a time
         self._warmup_thread: threading.Thread | None = None
@@ -191,19 +193,21 @@ class ModelRunner:
             return exe
         with self._compile_lock:
             if t not in self._executables:
-                inputs, sampling, _ = self._idle_inputs(t)
+                (step_buf, step_layout), (sample_buf, sample_layout) = self.idle_buffers(t)
                 spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._by_rank)
-                buf, layout = host_buffer.pack(inputs, self.dp)
-                lowered = self._step.lower(*self._specs, spec(buf), spec(self._prev_tokens(None, host=True)), layout)
+                lowered = self._step.lower(*self._specs, spec(step_buf), spec(self._prev_tokens(None, host=True)),
+                                           step_layout)
                 s = self.buckets.num_rows(t)
                 if s not in self._samplers:
                     logits = jax.ShapeDtypeStruct((self.dp * s, self.vocab_size), jnp.float32,
                                                   sharding=self._rows_by_rank)
                     pspec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                          self.penalties)
-                    buf, layout = host_buffer.pack(sampling, self.dp)
-                    self._samplers[s] = self._sample.lower(logits, spec(buf), spec(self._bitmask_ones(s, host=True)),
-                                                           pspec, layout).compile()
+                    self._samplers[s] = self._sample.lower(logits, spec(sample_buf),
+                                                           spec(self._bitmask_ones(s, host=True)), pspec,
+                                                           sample_layout).compile()
+                    self._sample_layouts[s] = sample_layout
+                self._step_layouts[t] = step_layout
                 self._executables[t] = lowered.compile()
                 hidden = lowered.out_info[2]
                 self._hidden_specs[t] = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self._rows_by_rank)
@@ -231,7 +235,7 @@ class ModelRunner:
         if t in self._primed:
             return
         step = self.compile_bucket(t)
-        inputs, sampling = self._to_device(*self._idle_inputs(t)[:2])
+        inputs, sampling = self._to_device(t, *self._idle_inputs(t)[:2])
         s = self.buckets.num_rows(t)
         with self._state_lock:
             self.kv, logits, _ = step(self._weights, self.kv, inputs, self._prev_tokens(None))
@@ -239,11 +243,22 @@ class ModelRunner:
         jax.block_until_ready(out.tokens)
         self._primed.add(t)
 
-    def _to_device(self, inputs: StepInputs, sampling: SamplingInputs) -> tuple[jax.Array, jax.Array]:
+    def idle_buffers(self, t: int):
+        """((StepInputs buffer, layout), (SamplingInputs buffer, layout)) of a step of T = t
+        tokens that computes nothing anyone reads (host_buffer.pack; compiling, tests)."""
+        inputs, sampling, _ = self._idle_inputs(t)
+        return host_buffer.pack(inputs, self.dp), host_buffer.pack(sampling, self.dp)
+
+    def _to_device(self, t: int, inputs: StepInputs, sampling: SamplingInputs) -> tuple[jax.Array, jax.Array]:
         """The step's and the sampler's host inputs, each packed in one buffer [dp, N], put on
-        the device in one call (two transfers instead of ~25)."""
-        return jax.device_put((host_buffer.pack(inputs, self.dp)[0], host_buffer.pack(sampling, self.dp)[0]),
-                              self._by_rank)
+        the device in one call (two transfers instead of ~25). Their layouts must be those the
+        step of T = t and its sampler were compiled for (a buffer of the same width but another
+        layout would be misread, not refused)."""
+        (step_buf, step_layout), (sample_buf, sample_layout) = (host_buffer.pack(inputs, self.dp),
+                                                                host_buffer.pack(sampling, self.dp))
+        if step_layout != self._step_layouts[t] or sample_layout != self._sample_layouts[self.buckets.num_rows(t)]:
+            raise RuntimeError(f"the inputs of a step of {t} tokens are not laid out as its executables expect")
+        return jax.device_put((step_buf, sample_buf), self._by_rank)
 
     def _prev_tokens(self, prev: PendingStep | None, host: bool = False):
         """The previous step's padded tokens, or zeros when the step reads none."""
@@ -454,7 +469,7 @@ class ModelRunner:
         first_run = t not in self._primed
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
-        step_buf, sample_buf = self._to_device(inputs, sampling)
+        step_buf, sample_buf = self._to_device(t, inputs, sampling)
         with self._state_lock:
             if (copies[1] < self.cache.num_blocks).any():  # copy-on-write before the step writes
                 first_run |= self._copy_executable is None  # compiles now (no warm-up ran)

@@ -2,7 +2,8 @@
 
 A request's next tokens are guessed from its own prompt and output: the latest n-gram (n
 from prompt_lookup_max down to prompt_lookup_min) is searched for at an earlier position, the
-most recent match wins, and the k tokens that followed it there are the drafts. The step
+most recent match wins, and the k tokens that followed it there are the drafts (around its
+period when the match repeats a token or phrase up to the end: `propose`). The step
 verifies them as extra query tokens of the request (one packed step, KV read through the
 block table); the sampler accepts draft j with the target model's probability of it given
 the tokens before (greedy: when it is the argmax) and, at the first rejection, samples from
@@ -91,20 +92,24 @@ def _check_positive(name: str, v) -> None:
         raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
 
 
-def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int, repeat_period: bool = True) -> list[int]:
     """Drafts for the tokens that follow `tokens` [L] int: the k tokens after the most recent
     earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that occurs
-    ([] when nothing matches). A match whose continuation runs into the end says the text
-    repeats with period L - (match end): the drafts go on around that period, as the lookup
-    would propose them one by one after each accepted draft (a repeated token or phrase, which
-    the most recent match would otherwise cut to one or two drafts)."""
+    ([] when nothing matches). A match whose continuation runs into the end, p = L - (match
+    end) tokens back with p <= n, shows a whole period of p tokens said twice (a repeated
+    token or phrase): the drafts go on around that period, where the most recent match alone
+    would give only p of them. A shorter match at such a distance (n < p: part of a period,
+    likelier by chance) gives the tokens up to the end only, as does repeat_period=False (the
+    earlier rule, kept for comparison: scripts/ab_prompt_lookup.py)."""
     length = len(tokens)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         windows = sliding_window_view(tokens[:length - 1], n)  # [L - n, n]: every earlier n-gram
         hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n  # the token after the most recent match
-            return np.resize(tokens[start:], k).tolist()  # cut to k, or repeated around the period
+            if repeat_period and length - start <= n:  # a whole period, said twice
+                return np.resize(tokens[start:], k).tolist()  # around the period, k drafts
+            return tokens[start:start + k].tolist()
     return []
 
 

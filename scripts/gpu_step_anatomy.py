@@ -202,7 +202,6 @@ def compile_step(runner, device, t: int):
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pagedjax import host_buffer
 
     data = runner.mesh.axis_names[0]
     mesh = Mesh(np.array([device]).reshape(1, 1), runner.mesh.axis_names)
@@ -210,8 +209,7 @@ def compile_step(runner, device, t: int):
     runner._by_rank, runner._rows_by_rank = NamedSharding(mesh, P(data)), NamedSharding(mesh, P(data, None))
     on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
         mesh, x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()))
-    inputs, sampling, _ = runner._idle_inputs(t)
-    (step_buf, step_layout), (sample_buf, sample_layout) = host_buffer.pack(inputs), host_buffer.pack(sampling)
+    (step_buf, step_layout), (sample_buf, sample_layout) = runner.idle_buffers(t)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=runner._by_rank)
     forward = runner._step.lower(*jax.tree.map(on_device, runner._specs), spec(step_buf),
                                  spec(runner._prev_tokens(None, True)), step_layout).compile()

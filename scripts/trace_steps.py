@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = collections.defaultdict(list)  # run_id -> the forward pass's op events
     for e in events:
         a = e.get("args", {})
-        if e.get("ph") == "X" and a.get("hlo_module") == "jit__forward" and "run_id" in a \
+        if e.get("ph") == "X" and a.get("hlo_module", "").startswith("jit__forward") and "run_id" in a \
                 and not e["name"].startswith("Thunk"):
             runs[a["run_id"]].append(e)
     order = sorted(runs, key=lambda r: min(e["ts"] for e in runs[r]))

@@ -118,15 +118,15 @@ def test_gpu_step_has_no_conditional_and_no_loop_but_the_layers(tiny_checkpoints
     import numpy as np
     from jax import export
 
-    from pagedjax import LLMEngine, host_buffer
+    from pagedjax import LLMEngine
 
     path, _ = tiny_checkpoints("llama")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     eng = LLMEngine(str(path), stream_text=False, block_size=16, max_num_seqs=4, max_model_len=64,
                     num_blocks=16, max_num_batched_tokens=32, scan_layers=scan)
     runner = eng.runner
-    inputs, sampling, (src, dst) = runner._idle_inputs(16)
-    (step_buf, step_layout), (sample_buf, sample_layout) = host_buffer.pack(inputs), host_buffer.pack(sampling)
+    _, _, (src, dst) = runner._idle_inputs(16)
+    (step_buf, step_layout), (sample_buf, sample_layout) = runner.idle_buffers(16)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     unsharded = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]

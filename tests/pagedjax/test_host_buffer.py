@@ -19,7 +19,7 @@ def _tree(rng, ranks):
 def test_round_trip_is_bit_exact(ranks):
     tree = _tree(np.random.default_rng(0), ranks)
     buf, layout = host_buffer.pack(tree, ranks)
-    assert buf.dtype == np.int32 and buf.shape == (ranks, layout.width)
+    assert buf.dtype == np.int32 and buf.shape == (ranks, sum(x.size for x in tree.values() if x is not None) // ranks)
     out = jax.jit(host_buffer.unpack, static_argnums=1)(buf, layout)
     assert out["none"] is None
     for k, want in tree.items():
@@ -75,3 +75,8 @@ def test_a_step_sends_its_host_inputs_in_one_transfer(tiny_checkpoints, monkeypa
     assert steps == 5 and len(puts) == steps  # one transfer a step
     assert all(issubclass(kind, jax.Array) for call in seen for kind in call)
     assert outs[-1].outputs[0].token_ids == hf_greedy(hf, prompt, 6)  # and the tokens are right
+    # inputs laid out for another step size than the executables they would feed are refused
+    small, big = runner.buckets.token_buckets()[:2]
+    runner.compile_bucket(big)
+    with pytest.raises(RuntimeError, match="not laid out"):
+        runner._to_device(big, *runner._idle_inputs(small)[:2])

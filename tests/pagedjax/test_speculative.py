@@ -24,10 +24,12 @@ def test_propose_finds_the_latest_longest_match():
     assert propose(t, 3, 1, 3) == [4, 5, 9]
     assert propose(np.array([1, 2, 8, 1, 2, 7, 1, 2]), 2, 1, 2) == [7, 1]  # most recent match wins
     assert propose(np.array([5, 6, 7]), 3, 1, 3) == []
-    # a match running into the end: the drafts go on around the period it shows
-    assert propose(np.array([1, 2, 8, 1, 2, 7, 1, 2]), 4, 1, 2) == [7, 1, 2, 7]
+    # a match running into the end after a whole period (p <= n): the drafts go on around it
+    assert propose(np.array([8, 7, 1, 2, 7, 1, 2]), 4, 1, 4) == [7, 1, 2, 7]
+    assert propose(np.array([1, 2, 8, 1, 2, 7, 1, 2]), 4, 1, 2) == [7, 1, 2]  # p = 3 > n = 2: cut
     assert propose(np.array([3, 9, 9, 9, 9, 9]), 4, 1, 4) == [9, 9, 9, 9]
     assert propose(np.array([4, 5, 6, 5, 6, 5, 6]), 5, 1, 4) == [5, 6, 5, 6, 5]
+    assert propose(np.array([3, 9, 9, 9, 9, 9]), 4, 1, 4, repeat_period=False) == [9]
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.parse({"method": "ngram"})
     with pytest.raises(ValueError, match="not supported"):
