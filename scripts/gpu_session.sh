@@ -14,13 +14,18 @@
 #                  the same GPU (gpu_e2e_bf16.py --hf)
 #      e2e_unrolled the same with the layers unrolled instead of under scan: is XLA:GPU's while
 #                  loop (a host round trip per layer) where the flat step time goes?
-#   5. step_times  a step's host work against its wait for the device, async scheduling off and on
-#                  (step_times.py): on the H200 every step took 13-15 ms whatever its size
+#   5. decode_steps decode step time, layers under scan and unrolled, speculation off and on
+#                  (gpu_decode_steps.py: compiles only the shapes it uses, ~20-50 s each); to
+#                  compare with an older tree, `git archive REV pagedjax models pallas_kernels`
+#                  into an ignored folder, carry it, and run the script with PYTHONPATH=<folder>
+#      step_times  a step's host work against its wait for the device, async scheduling off and on
+#                  (step_times.py; float32, four engines warmed up: slow)
 #   6. default model, when its GGUF is cached (models/default_model.py; no network is needed):
 #      spec_bf16        scripts/bench_speculative.py in bf16 on the real checkpoint
 #      default_parity   greedy tokens against transformers on the real checkpoint (float32)
 # STAGES="spec_bf16 default_parity" runs only the stages named. On the H200: env 9 s, kernels 72,
-# parity 58, e2e_bf16 93 (--repeats 1, no --hf) to 200, spec_bf16 92, default_parity 61; all stages
+# parity 58, e2e_bf16 93 (--repeats 1, no --hf) to 200 (92 with --hf --repeats 2 once steps took
+# ~2 ms), decode_steps ~110, spec_bf16 92, default_parity 61; all stages
 # together may not fit one 10-minute call. Prints a summary line per stage;
 # the exit code is the number of stages that failed.
 set -u
@@ -50,6 +55,7 @@ stage kernels 150 "$PY" scripts/gpu_kernel_check.py --no-bench --workers 6
 stage parity 100 "$PY" -m pytest tests/pagedjax/test_parity.py -k test_greedy_matches_transformers -n 4 --dist load -p no:cacheprovider -q -rs
 stage e2e_bf16 200 "$PY" scripts/gpu_e2e_bf16.py --hf
 stage e2e_unrolled 200 "$PY" scripts/gpu_e2e_bf16.py --scan-layers off --repeats 2
+stage decode_steps 200 bash -c "for a in '--scan-layers on' '--scan-layers off' '--scan-layers on --speculate 4'; do $PY scripts/gpu_decode_steps.py \$a || exit; done"
 stage step_times 240 "$PY" scripts/step_times.py --repeats 2 --pool-sizes 256
 if "$PY" -c "import sys; from models.default_model import cache_root, GGUF_NAME; sys.exit(not (cache_root() / 'gguf' / GGUF_NAME).is_file())"; then
     stage spec_bf16 260 "$PY" scripts/bench_speculative.py --dtype bfloat16 --repeats 2 --batch-1-prompts 2 \
