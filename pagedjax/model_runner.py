@@ -296,30 +296,31 @@ class ModelRunner:
             ready = t
         return ready
 
+    def _warmup_jobs(self) -> list[tuple]:
+        """Every compile of a warm-up, in order, after the fixed-shape helpers (compiled here):
+        (prime_bucket, T) for each step shape smallest first, then (prompt_executable, T) for
+        each (last: every step shape is ready first; few requests ask for prompt logprobs)."""
+        self._compile_load_slot()
+        self._compile_copy_blocks()
+        ladder = self.buckets.token_buckets()
+        return [(self.prime_bucket, t) for t in ladder] + [(self.prompt_executable, t) for t in ladder]
+
     def warmup(self, progress: bool = True) -> None:
         """Compiles every bucket now, smallest first."""
         from tqdm import tqdm
 
-        self._compile_load_slot()
-        self._compile_copy_blocks()
-        for t in tqdm(self.buckets.token_buckets(), desc="compiling step buckets", disable=not progress, unit="shape"):
-            self.prime_bucket(t)
-        for t in self.buckets.token_buckets():
-            self.prompt_executable(t)
+        for job, t in tqdm(self._warmup_jobs(), desc="compiling step shapes", disable=not progress, unit="shape"):
+            job(t)
 
     def start_background_warmup(self, first: int = 1) -> None:
         """Compiles the `first` smallest buckets now and the rest on a background thread, so
         serving starts at once; the scheduler keeps each step within `ready_tokens()`. The
         thread compiles only while `allow_warmup` lets it (the engine pauses it while requests
         run in buckets already compiled: on a few cores a compile slows every step beside it)."""
-        ladder = self.buckets.token_buckets()
-        self._compile_load_slot()
-        self._compile_copy_blocks()
-        for t in ladder[:first]:
-            self.prime_bucket(t)
-
-        # prompt logprobs last: every step shape is ready first
-        jobs = [(self.prime_bucket, t) for t in ladder[first:]] + [(self.prompt_executable, t) for t in ladder]
+        jobs = self._warmup_jobs()
+        for job, t in jobs[:first]:  # the smallest step shapes
+            job(t)
+        jobs = jobs[first:]
 
         def run():
             try:
