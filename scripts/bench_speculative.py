@@ -6,7 +6,8 @@ time), in a closed batch of 8, and all 12 at once through the engine's 8 sequenc
 (continuous batching), with and without `speculative_config`; then random-token prompts
 (nothing to copy) show what speculation costs when it cannot help. Prints tokens/s, the
 speed-up, the acceptance rate, whether the outputs are identical and the engine steps a run
-took each way, then what a step of each size cost the speculating engine; writes JSON.
+took each way, then what a step of each size cost the speculating engine and the speed-up
+those costs allow a batch of 8 (`speculation_ceiling`); writes JSON.
 `--draft-model DIR` speculates with a draft model (same vocabulary) instead of prompt lookup.
 
     python scripts/bench_speculative.py [--model DIR] [--max-tokens 128] [--k 4] [--draft-model DIR]
@@ -71,6 +72,27 @@ def benchmark_cases(tokenizer, batch_1_prompts: int = 4) -> list[tuple[str, list
     random_prompts = [rng.integers(100, len(tokenizer), size=len(q)).tolist() for q in prompts[:8]]
     return [("copy, batch 1", prompts[:batch_1_prompts], 1), ("copy, batch 8", prompts[:8], 8),
             (f"copy, {len(prompts)} x 8 at a time", prompts, len(prompts)), ("random tokens, batch 8", random_prompts, 8)]
+
+
+def speculation_ceiling(step_ms: dict[int, float], rows: int, acceptance: float, k: int) -> tuple[float, int]:
+    """(speed-up, depth): the most that `rows` decoding requests can gain by each drafting the same
+    d <= k tokens, from step costs by size (ms; a step of T tokens runs at the smallest measured
+    size >= T) and drafts accepted independently at rate `acceptance`: a request then emits
+    1 + a + ... + a^d tokens from a step of rows * (1 + d) tokens, against 1 from a step of `rows`.
+    Every request stays in the batch; a closed batch's tail of fewer requests only lowers it."""
+    def cost(t: int) -> float | None:
+        sizes = [s for s in step_ms if s >= t]
+        return step_ms[min(sizes)] if sizes else None
+
+    plain = cost(rows)
+    if plain is None:
+        raise ValueError(f"no measured step of {rows} tokens or more")
+    best = (1.0, 0)
+    for d in range(1, k + 1):
+        c = cost(rows * (1 + d))
+        if c is not None:
+            best = max(best, (sum(acceptance ** i for i in range(d + 1)) * plain / c, d))
+    return best
 
 
 def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[list[list[int]], float, int, int]:
@@ -140,6 +162,15 @@ def main(argv: list[str] | None = None) -> dict:
     results["step_ms"] = {t: 1e3 * c for t, c in costs.items()}
     print("step wall time by size, speculating engine (ms): " + ", ".join(f"{t} tokens {1e3 * c:.1f}"
                                                                            for t, c in costs.items()))
+    # the physical ceiling of the batch-8 cases on this machine: what these step costs allow
+    for name, case in results["cases"].items():
+        if "batch 8" in name:
+            at_rate, d = speculation_ceiling(results["step_ms"], 8, case["acceptance_rate"], args.k)
+            every, d_all = speculation_ceiling(results["step_ms"], 8, 1.0, args.k)
+            case["ceiling"], case["ceiling_all_accepted"] = at_rate, every
+            print(f"ceiling for {name} from these step costs (all 8 requests decoding): "
+                  f"{at_rate:.2f}x at its {100 * case['acceptance_rate']:.0f}% acceptance (depth {d}), "
+                  f"{every:.2f}x with every draft accepted (depth {d_all}); measured {case['speedup']:.2f}x")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
