@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -63,7 +64,7 @@ def init_processes(args: argparse.Namespace) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs or 64,
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=64 if args.max_num_seqs is None else args.max_num_seqs,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
                 kv_cache_dtype=args.kv_cache_dtype,
@@ -137,6 +138,9 @@ def _stream(engine, n: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers without torch advises on import that its models are unavailable; pagedjax
+    # uses only its tokenizers and configs, so the line would only alarm a command-line user
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = argparse.ArgumentParser(prog="pagedjax", description="JAX/Pallas LLM inference with a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)

@@ -77,6 +77,8 @@ class ChatServing(ServingBase):
         try:
             return self.tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None,
                                                       add_generation_prompt=add_generation_prompt, tokenize=False)
+        except ImportError as exc:  # no template engine (jinja2) here: the server's fault, not the request's
+            raise APIError(f"the server cannot render chat templates: {exc}", 500, "server_error") from None
         except Exception as exc:  # jinja errors: the template rejects these messages
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 

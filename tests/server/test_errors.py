@@ -123,3 +123,34 @@ def test_api_key():
         assert openai_client(s.url, api_key="sekret").completions.create(**P).choices[0].text
         assert httpx.get(s.url + "/health").status_code == 200  # health and metrics need no key
         assert httpx.get(s.url + "/metrics").status_code == 200
+
+
+def test_chat_template_without_its_engine_is_a_server_error():
+    """A tokenizer that cannot render its chat template (jinja2 missing) is the server's fault:
+    500 server_error, not a 400 that blames the messages; a template error stays a 400."""
+    from types import SimpleNamespace
+
+    from pagedjax.server.errors import APIError
+    from pagedjax.server.protocol import ChatMessage
+    from pagedjax.server.serving_chat import ChatServing
+
+    class Tokenizer:
+        chat_template = "{{ messages }}"
+        error: Exception
+
+        def decode(self, ids):
+            return ""
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise self.error
+
+    tok = Tokenizer()
+    engine = SimpleNamespace(max_model_len=64, engine=SimpleNamespace(vocab_size=10))
+    chat = ChatServing(engine, MODEL, tok)
+    messages = [ChatMessage(role="user", content="w1")]
+    for error, status, type_ in ((ImportError("apply_chat_template requires jinja2"), 500, "server_error"),
+                                 (ValueError("roles must alternate"), 400, "invalid_request_error")):
+        tok.error = error
+        with pytest.raises(APIError) as info:
+            chat.render(messages)
+        assert (info.value.status, info.value.type) == (status, type_) and str(error) in info.value.message
