@@ -64,7 +64,8 @@ def init_processes(args: argparse.Namespace) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=64 if args.max_num_seqs is None else args.max_num_seqs,
+    max_num_seqs = 64 if args.max_num_seqs is None else args.max_num_seqs  # 0 is refused, not taken as unset
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=max_num_seqs,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
                 kv_cache_dtype=args.kv_cache_dtype,
