@@ -24,9 +24,13 @@ def test_outputs_and_drain_on_shutdown():
         ae = AsyncEngine(FakeEngine(step_delay=0.001))
         ae.start()
         stream = await ae.add_request("a", [W0 + 1], SamplingParams(max_tokens=3))
-        outs = [o async for o in stream]  # deltas: each carries only what is new
-        assert [o.outputs[0].text for o in outs] == ["w2", " w3", " w4"] and outs[-1].finished
-        assert [o.outputs[0].token_ids for o in outs] == [[W0 + 2], [W0 + 3], [W0 + 4]]
+        # deltas: each carries only what is new (a consumer that lags gets the unread steps merged
+        # into one delta, so on a busy machine there may be fewer than 3)
+        outs = [o async for o in stream]
+        assert "".join(o.outputs[0].text for o in outs) == "w2 w3 w4" and 1 <= len(outs) <= 3
+        assert [t for o in outs for t in o.outputs[0].token_ids] == [W0 + 2, W0 + 3, W0 + 4]
+        assert all(o.outputs[0].token_ids for o in outs) and [o.finished for o in outs][-1:] == [True]
+        assert not any(o.finished for o in outs[:-1])
         assert stream.first_token_time is not None and stream.finish_time >= stream.first_token_time
         stream = await ae.add_request("b", [W0 + 1], SamplingParams(max_tokens=20))
         await ae.shutdown(drain_timeout=10)  # in flight: allowed to finish
