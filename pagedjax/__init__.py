@@ -1,16 +1,16 @@
 """pagedjax: a JAX/Pallas LLM inference engine with a paged KV cache."""
-from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):  # import the engine (and JAX) only when asked for
     if name == "LLM":
-        from pagedjax.llm import LLM
+        from pagedjax.entrypoints.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from pagedjax.engine import LLMEngine
+        from pagedjax.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

@@ -20,9 +20,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_speculative import benchmark_cases, run  # noqa: E402
 
-import pagedjax.engine as engine_module  # noqa: E402
+import pagedjax.engine.llm_engine as engine_module  # noqa: E402
 from pagedjax import LLM  # noqa: E402
-from pagedjax.speculative import propose  # noqa: E402
+from pagedjax.spec_decode.policy import propose  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,7 @@ a warm JAX compilation cache, for three ways of using the default model.
 Each target runs twice with JAX_COMPILATION_CACHE_DIR set to a fresh empty directory of its
 own: cold (empty), then warm (the same directory, filled by the cold run). pagedjax uses that
 directory and keeps every executable in it, however quick its compile
-(pagedjax/compile_counter.py; --cache-min-compile-secs sets JAX's threshold instead). The
+(pagedjax/worker/compile_counter.py; --cache-min-compile-secs sets JAX's threshold instead). The
 model files must already be converted under ~/.cache/pagedjax (not cleared here). --dtype is
 passed to every run (default auto: the JSON of the llm runs says what it chose). Every run sets JAX_LOG_COMPILES=1 to count, from its stderr, XLA compilations ("compiled") and
 persistent-cache hits ("hits") up to the measured moment (the JSON also has the process's
@@ -70,7 +70,7 @@ if hasattr(llm, "wait_for_warmup"):  # the warm-up goes on in the background aft
 
 def _pagedjax_cmd() -> list[str]:
     exe = shutil.which("pagedjax")
-    return [exe] if exe else [sys.executable, "-c", "import sys; from pagedjax.cli import main; sys.exit(main())"]
+    return [exe] if exe else [sys.executable, "-c", "import sys; from pagedjax.entrypoints.cli import main; sys.exit(main())"]
 
 
 _MIN_COMPILE_SECS: float | None = None  # --cache-min-compile-secs

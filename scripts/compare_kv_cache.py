@@ -16,7 +16,7 @@ tokens for both backends (4 dense slots), max_num_seqs 32, the embedded SmolLM2-
 """
 import sys
 
-from pagedjax.compare_cli import main
+from pagedjax.compare.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     import pagedjax
-    from pagedjax.engine import LLMEngine
+    from pagedjax.engine.llm_engine import LLMEngine
 
     if jax.default_backend() == "cpu" and not args.allow_cpu:
         print("no accelerator: nothing run (pass --allow-cpu for a dry run on the CPU)")

@@ -9,7 +9,7 @@
 #   1. env         jax / torch versions and the device
 #   2. kernels     the Pallas GPU kernels compiled, against the jnp reference (gpu_kernel_check.py)
 #   3. parity      the engine (Pallas kernels, float32) against transformers, token for token, on
-#                  tiny random checkpoints of every family (tests/pagedjax/test_parity.py)
+#                  tiny random checkpoints of every family (tests/engine/test_parity.py)
 #   4. e2e_bf16    the engine end to end in bf16, speculation off and on, and transformers bf16 on
 #                  the same GPU (gpu_e2e_bf16.py --hf)
 #      e2e_unrolled the same with the layers unrolled instead of under scan: is XLA:GPU's while
@@ -52,7 +52,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 
 stage env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, flax, transformers, torch; print(\"jax\", jax.__version__, jax.devices(), \"flax\", flax.__version__, \"transformers\", transformers.__version__, \"torch\", torch.__version__)'"
 stage kernels 150 "$PY" scripts/gpu_kernel_check.py --no-bench --workers 6
-stage parity 100 "$PY" -m pytest tests/pagedjax/test_parity.py -k test_greedy_matches_transformers -n 4 --dist load -p no:cacheprovider -q -rs
+stage parity 100 "$PY" -m pytest tests/engine/test_parity.py -k test_greedy_matches_transformers -n 4 --dist load -p no:cacheprovider -q -rs
 stage e2e_bf16 200 "$PY" scripts/gpu_e2e_bf16.py --hf
 stage e2e_unrolled 200 "$PY" scripts/gpu_e2e_bf16.py --scan-layers off --repeats 2
 stage decode_steps 200 bash -c "for a in '--scan-layers on' '--scan-layers off' '--scan-layers on --speculate 4'; do $PY scripts/gpu_decode_steps.py \$a || exit; done"
@@ -60,7 +60,7 @@ stage step_times 240 "$PY" scripts/step_times.py --repeats 2 --pool-sizes 256
 if "$PY" -c "import sys; from models.default_model import cache_root, GGUF_NAME; sys.exit(not (cache_root() / 'gguf' / GGUF_NAME).is_file())"; then
     stage spec_bf16 260 "$PY" scripts/bench_speculative.py --dtype bfloat16 --repeats 2 --batch-1-prompts 2 \
         --output "$LOG/bench_speculative.json"
-    stage default_parity 120 "$PY" -m pytest tests/pagedjax/test_default_model.py -n 0 -p no:cacheprovider -q -rs
+    stage default_parity 120 "$PY" -m pytest tests/models/test_default_model.py -n 0 -p no:cacheprovider -q -rs
 else
     summary+=("default model: skipped (no GGUF under the cache)")
 fi

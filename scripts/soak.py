@@ -8,7 +8,7 @@ Usage:
 A full run takes about 7 minutes against the default model on a 2-core CPU; --quick
 (100 requests, a 3x burst) about 2.5.
 
-`--launch` starts `python -m pagedjax.cli serve` itself on a free port, waits for /health
+`--launch` starts `python -m pagedjax.entrypoints.cli serve` itself on a free port, waits for /health
 and stops it with SIGTERM at the end (its exit code is reported and must be 0). Otherwise
 the server at --url must already run; its PID (for memory and CPU) comes from --server-pid,
 or is looked up from the listening port when the server runs on this machine.
@@ -194,9 +194,9 @@ def free_port() -> int:
 
 
 def launch_server(port: int, extra_args: str) -> tuple[subprocess.Popen, str]:
-    """Start `python -m pagedjax.cli serve` on `port`; returns the process and its log path."""
+    """Start `python -m pagedjax.entrypoints.cli serve` on `port`; returns the process and its log path."""
     log = tempfile.NamedTemporaryFile(prefix="pagedjax-soak-server-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "pagedjax.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pagedjax.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *shlex.split(extra_args)]
     print(f"launching: {' '.join(cmd)} (log: {log.name})", flush=True)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log.name
@@ -840,7 +840,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="server base URL (default with --launch: a free local port)")
-    p.add_argument("--launch", action="store_true", help="start `python -m pagedjax.cli serve` and stop it at the end")
+    p.add_argument("--launch", action="store_true", help="start `python -m pagedjax.entrypoints.cli serve` and stop it at the end")
     p.add_argument("--server-args", default="", help="extra `serve` arguments with --launch (one string)")
     p.add_argument("--server-pid", type=int, default=None, help="server PID for RSS/CPU (default: found from the port)")
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")

@@ -92,7 +92,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_throughput import make_random_checkpoint
 
-    from pagedjax.engine import LLMEngine
+    from pagedjax.engine.llm_engine import LLMEngine
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model

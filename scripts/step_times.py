@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import make_random_checkpoint  # noqa: E402
 
 from pagedjax import SamplingParams  # noqa: E402
-from pagedjax.engine import LLMEngine  # noqa: E402
+from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def timed_steps(engine, rng, num_prompts, prompt_len, output_len) -> list[tuple[float, float]]:

@@ -14,7 +14,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ.setdefault("PAGEDJAX_COMPILE_CACHE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
 
-from pagedjax.distributed import initialize  # noqa: E402
+from pagedjax.parallel.distributed import initialize  # noqa: E402
 
 checkpoint, port, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 initialize(f"127.0.0.1:{port}", 2, pid)

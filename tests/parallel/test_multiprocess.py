@@ -64,7 +64,7 @@ def test_serve_across_two_processes_listens_on_process_0_and_exits_with_it(tiny_
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", PAGEDJAX_COMPILE_CACHE="0",
                PAGEDJAX_IDLE_TICK_S="0.2")  # idle ticks (followers' keep-alive broadcasts) before the requests
-    cmd = [sys.executable, "-c", "import sys; from pagedjax.cli import main; sys.exit(main())", "serve", str(path),
+    cmd = [sys.executable, "-c", "import sys; from pagedjax.entrypoints.cli import main; sys.exit(main())", "serve", str(path),
            "--port", str(port), "-tp", "4", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
            "--num-blocks", "64", "--max-model-len", "256", "--num-processes", "2",
            "--coordinator-address", f"127.0.0.1:{coord}", "--served-model-name", "tiny"]

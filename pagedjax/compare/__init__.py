@@ -1,0 +1,1 @@
+"""The dense-vs-paged KV cache experiment, its report and plots."""

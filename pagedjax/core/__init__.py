@@ -1,0 +1,1 @@
+"""Host-side core, no JAX: requests, the block pool, the scheduler, beam search."""

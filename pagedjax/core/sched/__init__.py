@@ -1,0 +1,1 @@
+"""The continuous-batching scheduler and its per-step output."""

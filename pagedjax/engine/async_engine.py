@@ -1,0 +1,446 @@
+"""AsyncEngine: drives a (thread-unsafe) LLMEngine from one background thread for asyncio.
+
+Only the engine thread ever touches the engine. asyncio code talks to it through a command
+queue (add, add a beam search, abort, abort-all) and gets results back through
+`loop.call_soon_threadsafe`.
+The engine runs with `output_deltas`, so each step posts only what is new; a stream whose
+consumer has not taken its last update yet merges the new one into it, so a stream holds at
+most one pending update however slowly its client reads. The thread steps while the engine
+has work that can progress and sleeps on a condition variable otherwise. `stats()` returns
+the snapshot the thread takes after every step, so /metrics never calls into the engine
+from another thread.
+
+A step that raises may leave the device state poisoned (the KV cache is donated to the
+step), so it is fatal: every stream and every queued command ends with EngineDeadError,
+`is_alive` turns False (/health answers 503) and the `on_dead` callbacks run (the server
+exits non-zero so that a supervisor restarts it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+# seconds between an idle engine's idle_tick() calls, if it has one
+IDLE_TICK_S = float(os.environ.get("PAGEDJAX_IDLE_TICK_S", "10"))
+
+
+class QueueFullError(RuntimeError):
+    """Too many sequences are waiting for their first token."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is shutting down and admits no new requests."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is gone, or the engine failed while running the request."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """The asyncio side of one request: an async iterator of RequestOutput deltas (text,
+    token ids and logprobs new since the previous item; the last one has finished=True)."""
+
+    request_id: str
+    n: int
+    abort_fn: Callable[[str], None]
+    loop: asyncio.AbstractEventLoop | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    started: bool = False  # got its first output (or ended): no longer counts as pending
+    finished: bool = False  # the consumer has seen the end
+    num_prompt_tokens: int = 0
+    num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens delivered
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    _pending: RequestOutput | None = None  # delivered, not yet taken by the consumer
+    _error: BaseException | None = None
+    _wakeup: asyncio.Future | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        while self._pending is None and self._error is None:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
+        item, self._pending = self._pending, None
+        if item is None:
+            self.finished = True
+            raise self._error
+        if item.finished:
+            self.finished = True
+        return item
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """Runs on the event loop: merge an update into the pending one (or record the error)."""
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            merge_delta(self._pending, item)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    def abort(self) -> None:
+        """Abort the request unless it already ended (safe to call from `finally`)."""
+        if not self.finished:
+            self.finished = True
+            self.abort_fn(self.request_id)
+
+
+def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append delta `new` to delta `into` (both of one request), in place."""
+    by_index = {o.index: o for o in into.outputs}
+    for o in new.outputs:
+        old = by_index.get(o.index)
+        if old is None:
+            into.outputs.append(o)
+            continue
+        old.text += o.text
+        old.token_ids.extend(o.token_ids)
+        if o.logprobs is not None:
+            if old.logprobs is None:
+                old.logprobs = []
+            old.logprobs.extend(o.logprobs)  # deltas are fresh lists: extending is safe
+        old.finish_reason, old.stop_reason = o.finish_reason, o.stop_reason
+    into.finished = into.finished or new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+    if into.prompt_logprobs is None:  # carried once, by the first output that has it
+        into.prompt_logprobs = new.prompt_logprobs
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in a background thread and fans outputs out to asyncio streams."""
+
+    def __init__(self, engine: Any, max_pending_requests: int = 1024, metrics: Any = None) -> None:
+        if not hasattr(engine, "output_deltas"):
+            raise TypeError(f"{type(engine).__name__} has no `output_deltas`: AsyncEngine needs an engine that "
+                            f"can return only what is new in each output (as LLMEngine does)")
+        self.engine = engine
+        engine.output_deltas = True
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = getattr(engine, "model_name", "pagedjax")
+        self.max_model_len: int = engine.max_model_len
+        self.max_pending_requests = max_pending_requests  # sequences waiting for their first token
+        self.metrics = metrics  # object with on_request_finished(stream) or None
+        self.num_pending = 0  # sequences admitted that have not produced output yet (loop side)
+        self.accepting = True
+        self.error: BaseException | None = None  # set when the engine thread dies
+        self.on_dead: list[Callable[[], None]] = []  # run (on the engine thread) when it dies
+        self._cond = threading.Condition()
+        self._commands: deque = deque()
+        self._stop = False
+        self._dead = False  # guarded by _cond: commands are refused from now on
+        self._streams: dict[str, RequestStream] = {}  # engine-thread side
+        self._beam_searches: set[str] = set()  # the ids in _streams that are beam searches
+        self._stats: dict = {}
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._ready = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
+            self._thread.start()
+            self._ready.wait(30.0)  # the first stats snapshot, taken on the engine thread
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def stop_admitting(self) -> None:
+        """New add_request calls fail with ShuttingDownError from now on (thread-safe)."""
+        self.accepting = False
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to `drain_timeout` s, abort
+        the rest and join the engine thread."""
+        self.stop_admitting()
+        deadline = time.monotonic() + drain_timeout
+        while self.num_in_flight() and time.monotonic() < deadline and self.is_alive:
+            await asyncio.sleep(0.02)
+        self._submit(("abort_all",))
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> dict:
+        """The engine's stats as of the last step, plus the server-side counts."""
+        stats = dict(self._stats)
+        oldest = stats.pop("oldest_arrival_time", None)
+        return {**stats, "num_requests_pending": self.num_pending,
+                "oldest_request_age_seconds": 0.0 if oldest is None else time.monotonic() - oldest}
+
+    def _snapshot(self) -> None:
+        """Engine thread: publish the stats for the event loop (one atomic assignment)."""
+        # streams are added in arrival order (commands run FIFO): the first one is the oldest
+        oldest = next(iter(self._streams.values())).arrival_time if self._streams else None
+        self._stats = {**self.engine.stats(), "num_requests_in_flight": len(self._streams),
+                       "oldest_arrival_time": oldest}
+
+    # ---- asyncio side ---------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Submit a request; returns its stream. Raises ValueError (bad request),
+        QueueFullError, ShuttingDownError or EngineDeadError."""
+        return await self._add(("add", prompt, params, cache_salt), request_id, params.n)
+
+    async def add_beam_search(self, request_id: str, prompt: str | list[int],
+                              params: BeamSearchParams) -> RequestStream:
+        """Submit a beam search; its stream yields one finished RequestOutput holding the
+        beams as completions, best first (no deltas: beams change until the search ends).
+        Aborting it (or a client disconnect) ends the search and returns its blocks. Raises
+        as add_request does."""
+        return await self._add(("add_beam", prompt, params), request_id, params.beam_width)
+
+    async def _add(self, command: tuple, request_id: str, num_seqs: int) -> RequestStream:
+        if not self.accepting:
+            raise ShuttingDownError("the server is shutting down and accepts no new requests")
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        if self.num_pending + num_seqs > self.max_pending_requests:
+            raise QueueFullError(f"too many pending sequences ({self.num_pending} waiting for their "
+                                 f"first token, limit {self.max_pending_requests}); retry later")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, num_seqs, self.abort, loop)
+        admitted = loop.create_future()
+        self.num_pending += num_seqs
+        # ("add" | "add_beam", stream, <arguments>..., admitted)
+        self._submit((command[0], stream, *command[1:], admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self._mark_started(stream)
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._mark_started(stream)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; the engine frees its blocks on its next turn)."""
+        self._submit(("abort", request_id))
+
+    def _submit(self, command: tuple) -> None:
+        with self._cond:
+            if not self._dead:
+                self._commands.append(command)
+                self._cond.notify()
+                return
+        if command[0] in _ADDS:  # the engine is gone: nothing will ever answer it
+            _resolve(command[1].loop, command[-1], EngineDeadError("the engine is not running"))
+
+    def _mark_started(self, stream: RequestStream) -> None:
+        if not stream.started:
+            stream.started = True
+            self.num_pending -= stream.n
+
+    def _deliver(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        """Runs on the event loop: hand one item to the stream and keep the books."""
+        now = time.monotonic()
+        self._mark_started(stream)
+        if isinstance(item, RequestOutput):
+            stream.num_prompt_tokens = len(item.prompt_token_ids) or stream.num_prompt_tokens
+            for o in item.outputs:
+                stream.num_tokens[o.index] = stream.num_tokens.get(o.index, 0) + len(o.token_ids)
+                if o.finish_reason is not None:
+                    stream.finish_reasons[o.index] = o.finish_reason
+            if stream.first_token_time is None and any(stream.num_tokens.values()):
+                stream.first_token_time = now
+            if item.finished:
+                stream.finish_time = now
+                if self.metrics is not None:
+                    try:
+                        self.metrics.on_request_finished(stream)
+                    except Exception:  # metrics must never break serving
+                        logger.exception("metrics update failed")
+        stream.push(item)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _post(self, stream: RequestStream, item: Any) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(self._deliver, stream, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        # work that cannot progress (e.g. a request waiting for blocks that only an abort can
+        # free) waits for the next command instead of spinning
+        stalled = False
+        # an engine spread over several processes keeps their collectives alive while idle
+        idle_tick = getattr(self.engine, "idle_tick", None)
+        try:
+            self._snapshot()
+            self._ready.set()
+            while True:
+                tick = False
+                with self._cond:
+                    while not self._commands and not self._stop and not tick and \
+                            (stalled or not self.engine.has_unfinished_requests()):
+                        tick = not self._cond.wait(IDLE_TICK_S if idle_tick else None)
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    stop = self._stop
+                if tick and not commands and not stop and not self.engine.has_unfinished_requests():
+                    idle_tick()
+                    continue
+                for i, command in enumerate(commands):
+                    try:
+                        self._handle(command)
+                    except BaseException:  # fatal: what is left of the batch must fail with the rest
+                        with self._cond:
+                            self._commands.extendleft(reversed(commands[i:]))
+                        raise
+                if stop:
+                    self._abort_all(ShuttingDownError("the server shut down"))
+                    return
+                stalled, outputs = False, []
+                if self.engine.has_unfinished_requests():
+                    steps = self.engine.num_steps
+                    outputs = self.engine.step()  # raising is fatal: see the module docstring
+                    stalled = not outputs and self.engine.num_steps == steps  # nothing could run
+                # the snapshot first: a client never sees tokens that /metrics does not count yet
+                self._snapshot()
+                self._dispatch(outputs)
+        except BaseException as exc:
+            logger.exception("the engine failed; it stops and every request in flight fails "
+                             "(restart the server)")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail everything in flight and everything queued; refuse what comes later."""
+        self.error = exc
+        with self._cond:
+            self._dead = True
+            commands = list(self._commands)
+            self._commands.clear()
+        self._ready.set()
+        message = "the engine failed while running this request (see the server log)"
+        for command in commands:
+            if command[0] in _ADDS:
+                _resolve(command[1].loop, command[-1], EngineDeadError(message))
+        self._abort_all(EngineDeadError(message), call_engine=False)
+        for callback in self.on_dead:
+            try:
+                callback()
+            except Exception:  # pragma: no cover
+                logger.exception("on_dead callback failed")
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, stream, prompt, params, cache_salt, admitted = command
+            try:
+                if cache_salt is None:
+                    self.engine.add_request(stream.request_id, prompt, params)
+                else:
+                    self.engine.add_request(stream.request_id, prompt, params, cache_salt=cache_salt)
+            except Exception as exc:
+                _resolve(stream.loop, admitted, exc)
+                return
+            self._streams[stream.request_id] = stream
+            _resolve(stream.loop, admitted, None)
+        elif kind == "add_beam":
+            _, stream, prompt, params, admitted = command
+            try:
+                self.engine.add_beam_search(stream.request_id, prompt, params)
+            except Exception as exc:
+                _resolve(stream.loop, admitted, exc)
+                return
+            self._streams[stream.request_id] = stream
+            self._beam_searches.add(stream.request_id)
+            _resolve(stream.loop, admitted, None)
+        elif kind == "abort":
+            rid = command[1]
+            self.engine.abort_request(rid)
+            self._beam_searches.discard(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:  # the consumer is gone; this feeds the metrics
+                self._post(stream, _aborted(rid))
+        elif kind == "abort_all":
+            self._abort_all(None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self._beam_searches and self.engine.finished_beam_searches:
+            for rid in [r for r in self.engine.finished_beam_searches if r in self._beam_searches]:
+                self._beam_searches.discard(rid)
+                outputs.append(_beam_output(self.engine.finished_beam_searches.pop(rid)))
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            self._post(stream, out)
+
+    def _abort_all(self, error: BaseException | None, call_engine: bool = True) -> None:
+        """Abort every request in flight: each stream ends with an "abort" output (or
+        `error` when given)."""
+        for rid, stream in list(self._streams.items()):
+            if call_engine:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:  # pragma: no cover
+                    logger.exception("abort_request(%s) failed", rid)
+            # a fresh exception per stream: each is raised in its own task
+            self._post(stream, type(error)(*error.args) if error is not None else _aborted(rid))
+        self._streams.clear()
+        self._beam_searches.clear()
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None) -> None:
+    """Settle `fut` on its loop, from any thread."""
+    try:
+        loop.call_soon_threadsafe(_set_future, fut, exc)
+    except RuntimeError:  # the loop is closed
+        pass
+
+
+def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+_ADDS = ("add", "add_beam")
+
+
+def _beam_output(result: BeamSearchOutput) -> RequestOutput:
+    """A finished beam search as one finished RequestOutput: beam i (best first) is completion i."""
+    return RequestOutput(result.request_id, None, list(result.prompt_token_ids),
+                         [CompletionOutput(i, seq.text, list(seq.token_ids), seq.finish_reason)
+                          for i, seq in enumerate(result.sequences)], finished=True)
+
+
+def _aborted(request_id: str) -> RequestOutput:
+    """The final delta of an aborted request: nothing new, finished (O(1) on the engine
+    thread; the consumer gives "abort" to every completion that has no finish reason)."""
+    return RequestOutput(request_id, None, [], [], finished=True)

@@ -1,0 +1,1 @@
+"""Entry points: the offline LLM class, the command line, the OpenAI-compatible server."""

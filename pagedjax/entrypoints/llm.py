@@ -1,0 +1,133 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation on one engine. `warmup=True` compiles the smallest step bucket at
+    once and the others on a background thread: generation starts right away (steps stay
+    within the compiled buckets meanwhile) and, once `wait_for_warmup()` returns, batches of
+    any size and length within the limits compile nothing."""
+
+    def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 kv_cache: str = "paged", dtype: str = "auto", kv_cache_dtype: str = "auto", seed: int = 0,
+                 warmup: bool = True, **kwargs):
+        self.engine = LLMEngine(model, stream_text=False, block_size=block_size, num_blocks=num_blocks,
+                                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                enable_prefix_caching=enable_prefix_caching, kv_cache=kv_cache, dtype=dtype,
+                                kv_cache_dtype=kv_cache_dtype,
+                                seed=seed, **kwargs)
+        self._warmup_pending = False
+        if warmup:
+            self.engine.warmup(background=True)
+        self._ids = itertools.count()
+
+    def wait_for_warmup(self) -> None:
+        """Blocks until every step bucket is compiled (e.g. before timing a run)."""
+        self.engine.wait_for_warmup()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; returns RequestOutputs in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                 f"pass one, or exactly one per prompt")
+        if self._warmup_pending:
+            self.engine.warmup(progress=use_tqdm)
+            self._warmup_pending = False
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:  # leave nothing queued behind a failed call
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+                        bar.set_postfix(tokens=self.engine.num_generated_tokens)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def beam_search(self, prompts, beam_width: int | None = None, max_tokens: int = 64, *,
+                    params: BeamSearchParams | None = None, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (beams share KV blocks, copy-on-write); outputs in
+        prompt order, each with up to beam_width finished sequences, best first."""
+        from tqdm import tqdm
+
+        prompts = _as_prompt_list(prompts)
+        params = params or BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens)
+        if self._warmup_pending:
+            self.engine.warmup(progress=use_tqdm)
+            self._warmup_pending = False
+        ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt in zip(ids, prompts):
+                self.engine.add_beam_search(rid, prompt, params)
+            with tqdm(total=len(ids), desc="beam search", unit="req", disable=not use_tqdm) as bar:
+                while any(rid not in self.engine.finished_beam_searches for rid in ids):
+                    self.engine.step()
+                    bar.n = sum(rid in self.engine.finished_beam_searches for rid in ids)
+                    bar.refresh()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [self.engine.finished_beam_searches.pop(rid) for rid in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if all(isinstance(p, int) for p in prompts):  # a single token-id prompt
+        return [prompts]
+    for p in prompts:
+        if not isinstance(p, str) and not (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
+            raise TypeError(f"each prompt must be a str or a list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]

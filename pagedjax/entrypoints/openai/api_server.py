@@ -1,0 +1,160 @@
+"""`pagedjax serve`: argument definitions and the serving entry point.
+
+The top-level CLI wires these in with `add_serve_arguments(subparser)` and
+`run_serve(args)`; `python -m pagedjax.entrypoints.openai` runs them standalone.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from typing import Any
+
+import uvicorn
+
+logger = logging.getLogger("pagedjax.entrypoints.openai")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `serve` options to `parser` (the engine knobs are the shared ones of
+    `pagedjax.entrypoints.cli.add_engine_arguments`)."""
+    from pagedjax.entrypoints.cli import add_engine_arguments
+
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="local Hugging Face model dir (default: the embedded SmolLM2-135M-Instruct)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDJAX_API_KEY; prefer the "
+                        "variable, argv is visible to other users of the machine)")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
+    g.add_argument("--max-pending-requests", type=int, default=1024,
+                   help="sequences (prompts x n) waiting for their first token before new requests get 429")
+    g.add_argument("--max-request-bytes", type=_positive(int), default=4 * 1024 * 1024,
+                   help="largest request body accepted, in bytes (default 4 MiB; larger ones get 413)")
+    g.add_argument("--stream-send-timeout", type=_positive(float), default=30.0,
+                   help="seconds a streaming client may take no data before its request is aborted")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--no-warmup", action="store_true", help="do not compile the step buckets ahead (each compiles on first use)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(parser)
+    return parser
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that stops admitting at the first signal and does not re-raise the
+    signal after its graceful shutdown, so the process exits 0."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: Any) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.async_engine.stop_admitting()
+        super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).clear()
+
+
+def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
+          max_request_bytes: int = 4 * 1024 * 1024, send_timeout: float = 30.0) -> int:
+    """Serve `async_engine` over HTTP until SIGTERM/SIGINT (exit code 0) or until the engine
+    fails (exit code 1, so that a supervisor restarts the server)."""
+    from pagedjax.entrypoints.openai.app import build_app
+
+    warn_if_exposed(host, api_key)
+    app = build_app(async_engine, served_model_name, api_key, max_request_bytes=max_request_bytes,
+                    send_timeout=send_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=5)
+    server = _Server(config, async_engine)
+
+    def engine_died() -> None:
+        logger.error("the engine failed: the server stops (exit code 1)")
+        server.should_exit = True
+
+    async_engine.on_dead.append(engine_died)
+    server.run()
+    if async_engine.error is not None:
+        return 1
+    return 0 if server.started else 1
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Warn (and return True) when `host` is reachable from other machines and no key is set."""
+    if api_key or _is_loopback(host):
+        return False
+    logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                   "server (set PAGEDJAX_API_KEY or --api-key)", host)
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else $PAGEDJAX_API_KEY, else None (no key)."""
+    return args.api_key or os.environ.get("PAGEDJAX_API_KEY") or None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the real engine from parsed `serve` arguments and serve it."""
+    from pagedjax.entrypoints.cli import engine_kwargs, init_processes
+    from pagedjax.engine.llm_engine import LLMEngine  # lazy: importing JAX and loading weights is slow
+    from pagedjax.engine.async_engine import AsyncEngine
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedjax").setLevel(args.log_level.upper())
+    try:
+        init_processes(args)
+        engine = LLMEngine(args.model, stream_text=True, **engine_kwargs(args))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        logger.error("cannot start the engine: %s", exc)
+        return 2
+    if not args.no_warmup and hasattr(engine, "warmup"):
+        logger.info("compiling the smallest step bucket now and the others in the background "
+                    "(--no-warmup compiles each on first use instead)")
+        engine.warmup(background=True)
+    if args.num_processes > 1:
+        from pagedjax.parallel.distributed import LeaderEngine, follow
+
+        if args.process_id != 0:  # no HTTP here: run process 0's schedule step by step
+            logger.info("process %d follows process 0's schedule", args.process_id)
+            follow(engine)
+            return 0
+        engine = LeaderEngine(engine)
+    async_engine = AsyncEngine(engine, max_pending_requests=args.max_pending_requests)
+    code = serve(async_engine, args.host, args.port, api_key_of(args), args.served_model_name, args.shutdown_timeout,
+                 args.log_level, args.max_request_bytes, args.stream_send_timeout)
+    if args.num_processes > 1:  # the followers exit with process 0
+        engine.close()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_serve_arguments(argparse.ArgumentParser(prog="pagedjax serve",
+                                                         description="OpenAI-compatible server"))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

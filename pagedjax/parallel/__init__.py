@@ -1,0 +1,1 @@
+"""Device meshes, data-parallel routing, several processes."""

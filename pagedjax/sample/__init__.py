@@ -1,0 +1,1 @@
+"""On-device sampling and the logits processors (penalties, token masks, prompt logprobs)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: prompt lookup, a draft model, the draft allocation policy."""

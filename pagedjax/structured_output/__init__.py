@@ -1,0 +1,1 @@
+"""Structured outputs: grammars (JSON schema, regex, choice, EBNF) compiled with llguidance into token masks."""

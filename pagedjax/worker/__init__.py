@@ -1,0 +1,1 @@
+"""The model runner: host batch preparation, the compiled step executables, warm-up."""
