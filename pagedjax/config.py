@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from models.dtypes import check_dtype, check_kv_cache_dtype
 
-from pagedjax.spec_decode.policy import SpeculativeConfig
+from pagedjax.spec_decode.config import SpeculativeConfig
 
 KV_CACHE_KINDS = ("paged", "dense")
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV memory on the CPU backend

@@ -20,9 +20,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_speculative import benchmark_cases, run  # noqa: E402
 
-import pagedjax.engine.llm_engine as engine_module  # noqa: E402
+import pagedjax.spec_decode.ngram as ngram_module  # noqa: E402
 from pagedjax import LLM  # noqa: E402
-from pagedjax.spec_decode.policy import propose  # noqa: E402
+from pagedjax.spec_decode.ngram import propose  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             for mode in order[rep % 3:] + order[:rep % 3]:  # rotating, so no mode always runs first
                 llm, rule = modes[mode]
                 if rule is not None:
-                    engine_module.propose = rule
+                    ngram_module.propose = rule
                 outs[mode], seconds, tokens, steps[mode] = run(llm, prompts, batch, args.max_tokens)
                 rates[mode].append(tokens / seconds)
         med = {m: float(np.median(r)) for m, r in rates.items()}
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
               + f"  speed-up cut {med['cut'] / med['off']:.2f}x, period {med['period'] / med['off']:.2f}x; steps "
               f"{steps['off']} / {steps['cut']} / {steps['period']}; identical {outs['cut'] == outs['off']} "
               f"{outs['period'] == outs['off']}", flush=True)
-    engine_module.propose = propose
+    ngram_module.propose = propose
     print("speculating engine's step costs (ms): "
           + ", ".join(f"{t} tokens {1e3 * c:.1f}" for t, c in on.engine.step_costs().items()))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pagedjax.core.request import Request
+from pagedjax.core.request import Request, append_logprobs
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -139,3 +139,40 @@ class BeamGroup:
                              tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer else "")
                 for score, tokens, cum, reason in self.finished]
         return BeamSearchOutput(self.request_id, self.prompt_ids, seqs)
+
+
+class BeamSearchManager:
+    """The engine's one object for beam searches (created at the first one): their groups,
+    each round's selection once all of a group's beams have decoded, the finished results."""
+
+    def __init__(self, schedulers, tokenizer):
+        self.schedulers = schedulers  # one per data-parallel rank
+        self.tokenizer = tokenizer
+        self.groups: dict[str, BeamGroup] = {}
+        self.finished: dict[str, BeamSearchOutput] = {}  # request id -> result, until the caller pops it
+        self.num_generated_tokens = 0
+
+    def add(self, group: BeamGroup, rank: int) -> None:
+        group.root.dp_rank = rank
+        self.schedulers[rank].add(group.root)
+        self.groups[group.request_id] = group
+
+    def process(self, produced, result) -> None:
+        """Records the beams' tokens of a step; a group whose beams all decoded selects."""
+        touched: dict[int, BeamGroup] = {}
+        for req, row, tokens in produced:
+            if req.beam_group is not None and tokens is not None:
+                append_logprobs(req, result, row, tokens[0])
+                touched[id(req.beam_group)] = req.beam_group
+        for bg in touched.values():
+            if bg.ready():
+                bg.advance(self.schedulers[bg.root.dp_rank])
+                self.num_generated_tokens += len(bg.beams)
+                if bg.done:
+                    self.groups.pop(bg.request_id, None)
+                    self.finished[bg.request_id] = bg.output(self.tokenizer)
+
+    def abort(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            group.abort(self.schedulers[group.root.dp_rank])

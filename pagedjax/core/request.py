@@ -82,3 +82,13 @@ class Request:
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+
+def append_logprobs(req: Request, result, row: int, token: int) -> None:
+    """The sampled token's logprob and the top k (row of the step's sampler output), for a
+    request that asked for them."""
+    if req.params.logprobs is not None:
+        k = req.params.logprobs
+        entry = {int(t): float(lp) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])}
+        entry[token] = float(result.logprobs[row])
+        req.output_logprobs.append(entry)

@@ -1,116 +1,15 @@
-"""Speculative decoding with prompt lookup (n-gram) proposals.
-
-A request's next tokens are guessed from its own prompt and output: the latest n-gram (n
-from prompt_lookup_max down to prompt_lookup_min) is searched for at an earlier position, the
-most recent match wins, and the k tokens that followed it there are the drafts (around its
-period when the match repeats a token or phrase up to the end: `propose`). The step
-verifies them as extra query tokens of the request (one packed step, KV read through the
-block table); the sampler accepts draft j with the target model's probability of it given
-the tokens before (greedy: when it is the argmax) and, at the first rejection, samples from
-the target distribution without the draft, which keeps the output distribution exactly the
-target model's. Accepted drafts plus one more token come out of a step.
-"""
+"""The draft allocation policy and its cost model: how many drafts each request verifies
+in a step (`allocate_drafts`), how deep a draft model drafts (`draft_depth`), and the
+measured step costs both weigh (`MeasuredCosts`)."""
 from __future__ import annotations
 
 import collections
 import heapq
 import statistics
-from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
-
-MAX_SPECULATIVE_TOKENS = 16
 COST_SAMPLES = 9  # recent wall times a MeasuredCosts keeps per size
 MAX_SAMPLE_AGE = 128  # measurements (of any size) after which a MeasuredCosts forgets a sample
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config`: prompt lookup, {"method": "ngram", "num_speculative_tokens":
-    k, "prompt_lookup_min": a, "prompt_lookup_max": b}, or a draft model, {"model": path,
-    "num_speculative_tokens": k} (method "draft_model"; see draft_model.py). A draft model
-    proposes up to k drafts a step, fewer or none while it costs more than its accepted
-    drafts save (`draft_depth`); "adaptive": False makes it always propose k."""
-
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    method: str = "ngram"
-    model: str | None = None  # the draft model (method "draft_model")
-    adaptive: bool = True  # draft model: the number of drafts follows their measured worth
-
-    @classmethod
-    def parse(cls, config) -> "SpeculativeConfig | None":
-        """From a dict (or None: no speculation), with clear errors."""
-        if config is None or isinstance(config, SpeculativeConfig):
-            return config
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {unknown}; this engine knows {sorted(known)}")
-        method = config.get("method", "draft_model" if config.get("model") is not None else "ngram")
-        if method not in ("ngram", "prompt_lookup", "draft_model"):
-            raise ValueError(f"speculative_config: method {method!r} is not supported; use 'ngram' (prompt lookup) "
-                             "or 'draft_model' (with 'model')")
-        if "num_speculative_tokens" not in config:
-            raise ValueError("speculative_config needs num_speculative_tokens")
-        k = config["num_speculative_tokens"]
-        _check_positive("num_speculative_tokens", k)
-        if k > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
-        if method == "draft_model":
-            model = config.get("model")
-            if not isinstance(model, str) or not model:
-                raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft checkpoint's path")
-            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(config))
-            if lookup:
-                raise ValueError(f"speculative_config: {lookup} apply to method 'ngram', not to a draft model")
-            adaptive = config.get("adaptive", True)
-            if not isinstance(adaptive, bool):
-                raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
-            return cls(k, method="draft_model", model=model, adaptive=adaptive)
-        if config.get("model") is not None:
-            raise ValueError(f"speculative_config: 'model' (a draft model) does not go with method {method!r}")
-        if "adaptive" in config:
-            raise ValueError("speculative_config: 'adaptive' applies to a draft model (prompt lookup costs "
-                             "nothing to propose; its verification is weighed each step anyway)")
-        lo = config.get("prompt_lookup_min", min(2, config.get("prompt_lookup_max", 4)))
-        hi = config.get("prompt_lookup_max", max(4, lo))
-        _check_positive("prompt_lookup_min", lo)
-        _check_positive("prompt_lookup_max", hi)
-        if lo > hi:
-            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-        return cls(k, lo, hi, "ngram")
-
-
-def _check_positive(name: str, v) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
-
-
-def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int, repeat_period: bool = True) -> list[int]:
-    """Drafts for the tokens that follow `tokens` [L] int: the k tokens after the most recent
-    earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that occurs
-    ([] when nothing matches). A match whose continuation runs into the end, p = L - (match
-    end) tokens back with p <= n, shows a whole period of p tokens said twice (a repeated
-    token or phrase): the drafts go on around that period, where the most recent match alone
-    would give only p of them. A shorter match at such a distance (n < p: part of a period,
-    likelier by chance) gives the tokens up to the end only, as does repeat_period=False (the
-    earlier rule, kept for comparison: scripts/ab_prompt_lookup.py)."""
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        windows = sliding_window_view(tokens[:length - 1], n)  # [L - n, n]: every earlier n-gram
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n  # the token after the most recent match
-            if repeat_period and length - start <= n:  # a whole period, said twice
-                return np.resize(tokens[start:], k).tolist()  # around the period, k drafts
-            return tokens[start:start + k].tolist()
-    return []
 
 
 def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs: list[int], max_tokens: int,

@@ -17,6 +17,7 @@ def make(num_blocks=1024, block_size=16, max_num_seqs=32, budget=2048, max_model
 def run_step(s, token=7):
     out = s.schedule()
     for r, _, t in s.update(out, [[token]] * len(out.requests)):
+        r.output_token_ids += t  # as the engine's OutputProcessor does
         s.check_stop(r, t[-1])
     return out
 

@@ -22,7 +22,8 @@ def req(rid, n, max_tokens=8, start=100):
 def run_step(s, token=7):
     out = s.schedule()
     produced = s.update(out, [[token]] * len(out.requests))
-    for r, _, t in produced:
+    for r, _, t in produced:  # as the engine's OutputProcessor does: append, then check
+        r.output_token_ids += t
         s.check_stop(r, t[-1])
     return out
 
@@ -91,7 +92,8 @@ def test_prefix_hits_skip_cached_full_blocks():
     assert out.starts == [8] and out.q_lens == [2]  # two full blocks from cache
     assert s.prefix_cache_hit_tokens == 8 and s.prefix_cache_query_tokens == 20
     c = req("c", 8, max_tokens=1)  # exactly two blocks: one token must still be computed
-    s.update(out, [[1]])
+    for r, _, t in s.update(out, [[1]]):
+        r.output_token_ids += t
     s.add(c)
     out = s.schedule()  # b (still running) decodes in the same step
     assert out.num_decode == 1 and out.starts[1:] == [4] and out.q_lens[1:] == [4]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.spec_decode.policy import SpeculativeConfig
+from pagedjax.spec_decode.config import SpeculativeConfig
 from tiny_models import COMMON, FAMILIES, hf_greedy
 
 KW = dict(max_num_seqs=4, max_model_len=256, block_size=8, num_blocks=96, max_num_batched_tokens=64, warmup=False)

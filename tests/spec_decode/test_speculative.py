@@ -7,7 +7,9 @@ import pytest
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.sample.sampler import SamplingInputs, verify_drafts
-from pagedjax.spec_decode.policy import SpeculativeConfig, allocate_drafts, propose
+from pagedjax.spec_decode.config import SpeculativeConfig
+from pagedjax.spec_decode.ngram import propose
+from pagedjax.spec_decode.policy import allocate_drafts
 from tiny_models import hf_greedy
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

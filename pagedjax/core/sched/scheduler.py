@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pagedjax.core.block_pool import BlockPool, hash_block
 from pagedjax.core.buckets import Buckets
 from pagedjax.core.request import Request, RequestStatus
-from pagedjax.spec_decode.policy import acceptance_estimate, allocate_drafts
 
 
 @dataclass(slots=True)
@@ -69,7 +68,8 @@ class Scheduler:
         self.pool = pool
         self.buckets = buckets
         self.token_budget = buckets.max_num_batched_tokens  # tokens per step; the engine may lower it
-        self.step_cost = lambda t: float(t)  # expected time of a step of t tokens (the engine measures it)
+        # speculative decoding's SpecDecodeManager (None when off): how many drafts each request verifies
+        self.draft_policy = None
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
@@ -237,17 +237,12 @@ class Scheduler:
 
     def _schedule_drafts(self, decode: list[Request], num_tokens: int, budget: int) -> list[list[int]]:
         """The draft tokens each decoding request verifies after its token (speculative
-        decoding; see speculative.allocate_drafts): their blocks readied, never at the cost
+        decoding; see SpecDecodeManager.allocate): their blocks readied, never at the cost
         of a preemption."""
-        if not any(r.draft_token_ids for r in decode):
+        if self.draft_policy is None or not any(r.draft_token_ids for r in decode):
             return [[] for _ in decode]
-        caps = [max(0, min(len(r.draft_token_ids), self.max_model_len - r.num_computed_tokens - 1,
-                           r.params.max_tokens - len(r.output_token_ids) - 1)) for r in decode]
-        rates = [acceptance_estimate(r.num_accepted_drafts, r.num_drafted) for r in decode]
-        alloc = allocate_drafts(caps, rates, num_tokens, self.buckets.token_buckets(), budget,
-                                self.buckets.max_draft_tokens, self.step_cost)
         drafts = []
-        for req, n in zip(decode, alloc):
+        for req, n in zip(decode, self.draft_policy.allocate(decode, num_tokens, budget)):
             ok = n and self._grow(req, req.num_computed_tokens, 1 + n)
             drafts.append(req.draft_token_ids[:n] if ok else [])
         return drafts
@@ -363,7 +358,8 @@ class Scheduler:
     # -- after the step -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int, list[int] | None]]:
         """Advances counters; returns (request, its index in out.requests, new tokens) for
-        requests that completed their pending tokens (partial prefill chunks produce none;
+        requests that completed their pending tokens, for the caller to append (the engine's
+        OutputProcessor, the one writer of output tokens) (partial prefill chunks produce none;
         a max_tokens=0 request finishes with None). sampled: each entry's tokens, one, or
         with drafts the accepted drafts plus one (only the verified positions count as
         computed; blocks past them go back to the pool)."""
@@ -385,8 +381,7 @@ class Scheduler:
                 continue
             if req.pending_forks:  # n > 1: the prompt is computed; siblings share its blocks
                 self._fork_siblings(req)
-            req.output_token_ids += tokens
-            produced.append((req, i, tokens))
+            produced.append((req, i, tokens))  # the engine's OutputProcessor appends the tokens
         return produced
 
     def _fork_siblings(self, parent: Request) -> None:

@@ -1,6 +1,6 @@
 """What /v1/completions and /v1/chat/completions share: request checks, prompt limits,
-SamplingParams, submission to the AsyncEngine, stream merging, disconnect handling, the
-worker thread for CPU-heavy work and the event-stream response with a send timeout.
+SamplingParams, submission to the AsyncEngine and the worker thread for CPU-heavy work (stream
+merging, disconnect handling and the event-stream response with a send timeout: streaming.py).
 
 Streams carry deltas (see `AsyncEngine`): a streaming handler turns each into a chunk, a
 non-streaming one merges them into the final outputs.
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +16,7 @@ from functools import lru_cache, partial
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from pagedjax.core.beam_search import BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
@@ -27,8 +25,8 @@ from pagedjax.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFul
                                           ShuttingDownError, merge_delta)
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
 from pagedjax.entrypoints.openai.protocol import UsageInfo, _SamplingRequest
+from pagedjax.entrypoints.openai.streaming import SSEResponse, merge_streams, wait_for_disconnect
 
-logger = logging.getLogger(__name__)
 MAX_BEAMS = MAX_LOGPROBS // 2  # BeamSearchParams' bound on beam_width
 
 
@@ -301,55 +299,9 @@ class ServingBase:
         return SSEResponse(chunks, self.send_timeout, streams)
 
 
-class _SlowClient(Exception):
-    pass
-
-
-async def _send_within(send, message, seconds: float) -> None:
-    """await send(message), TimeoutError after `seconds` (asyncio.timeout where there is one,
-    3.11+: no task per send)."""
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(seconds):
-            await send(message)
-    else:  # pragma: no cover - Python 3.10
-        await asyncio.wait_for(send(message), seconds)
-
-
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response whose client must take each chunk within `send_timeout`
-    seconds: one that keeps its connection open but stops reading has its requests aborted
-    (their blocks freed) and its connection closed. Its requests are aborted whenever the
-    response ends, however it ends."""
-
-    def __init__(self, chunks: AsyncIterator[str], send_timeout: float, streams: list[RequestStream]) -> None:
-        super().__init__(chunks, media_type="text/event-stream")
-        self.send_timeout, self.streams = send_timeout, streams
-
-    async def stream_response(self, send) -> None:
-        async def timed_send(message) -> None:
-            try:
-                await _send_within(send, message, self.send_timeout)
-            except asyncio.TimeoutError:
-                raise _SlowClient() from None
-
-        try:
-            await super().stream_response(timed_send)
-        except _SlowClient:
-            logger.warning("a client took no data for %.0f s: its request is aborted and its connection "
-                           "closed", self.send_timeout)
-        finally:
-            abort_all(self.streams)
-            await self.body_iterator.aclose()
-
-
 def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k most likely (token id, logprob) pairs of one position."""
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k] if k else []
-
-
-def abort_all(streams: list[RequestStream]) -> None:
-    for s in streams:
-        s.abort()
 
 
 def completions_by_index(out: RequestOutput, n: int) -> list[CompletionOutput]:
@@ -358,54 +310,3 @@ def completions_by_index(out: RequestOutput, n: int) -> list[CompletionOutput]:
     by_index = {o.index: o for o in out.outputs}
     return [by_index.get(i) or CompletionOutput(i, "", [], "abort" if out.finished else None)
             for i in range(n)]
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as (stream index, output) until all finish. A
-    stream is read only when the consumer takes the previous item, so what a slow consumer
-    has not taken stays merged in each stream's one pending update."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    reading = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
-    try:
-        while reading:
-            done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=reading.get):
-                i = reading.pop(task)
-                out = task.result()  # a stream's error ends the merge
-                if not out.finished:
-                    reading[asyncio.ensure_future(streams[i].__anext__())] = i
-                yield i, out
-    finally:
-        for task in reading:
-            task.cancel()
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Return once the client has disconnected (the request body is already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def json_dumps(body: dict) -> str:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-
-
-def json_response(body: bytes) -> Response:
-    """A JSON response from a body already serialized (call json_bytes on the worker thread)."""
-    return Response(body, media_type="application/json")
-
-
-def json_bytes(body: dict) -> bytes:
-    return json_dumps(body).encode()
-
-
-def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"

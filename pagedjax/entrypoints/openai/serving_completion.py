@@ -21,9 +21,8 @@ from pagedjax.engine.async_engine import EngineDeadError, ShuttingDownError
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
 from pagedjax.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse)
-from pagedjax.entrypoints.openai.serving_common import (SSE_DONE, ServingBase, completions_by_index, finite, json_bytes,
-                                            json_dumps, json_response,
-                                            merge_streams, sse, top_logprobs)
+from pagedjax.entrypoints.openai.serving_common import ServingBase, completions_by_index, finite, top_logprobs
+from pagedjax.entrypoints.openai.streaming import SSE_DONE, json_bytes, json_dumps, json_response, merge_streams, sse
 
 MAX_PROMPTS = 1024  # prompts per request
 MAX_PROMPT_LOGPROB_ENTRIES = 2_000_000  # prompt tokens x (alternatives + 1): bounds the memory one request holds

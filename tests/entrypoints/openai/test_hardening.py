@@ -119,7 +119,7 @@ def test_unread_stream_holds_one_merged_update():
 
 
 def test_unread_multi_prompt_streams_stay_merged():
-    from pagedjax.entrypoints.openai.serving_common import merge_streams
+    from pagedjax.entrypoints.openai.streaming import merge_streams
 
     async def run():
         ae = AsyncEngine(FakeEngine(step_delay=0.0005))

@@ -12,7 +12,8 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from pagedjax.sampling_params import StructuredOutputsParams
-from pagedjax.entrypoints.openai.tool_calls import (HermesFormat, Llama3JsonFormat, ToolPlan, required_schema)
+from pagedjax.entrypoints.openai.tool_calls import ToolPlan, required_schema
+from pagedjax.entrypoints.openai.tool_parsers import HermesFormat, Llama3JsonFormat
 
 from .conftest import MODEL, openai_client, running_server
 from .fake_engine import CHAT_TEMPLATE, EOS, SPECIALS, FakeEngine

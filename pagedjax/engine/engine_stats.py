@@ -1,0 +1,72 @@
+"""What `LLMEngine.stats()` reports, summed over the data-parallel ranks, and small naming helpers."""
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from pagedjax.core.block_pool import BlockPool
+from pagedjax.core.kv_memory import KVMemory, kv_memory as rank_kv_memory
+from pagedjax.core.sched.scheduler import Scheduler
+from pagedjax.spec_decode.manager import NO_SPEC_STATS
+from pagedjax.worker import compile_counter
+
+
+def stats(engine) -> dict:
+    """Totals over the data-parallel ranks; "data_parallel_ranks" has each rank's own."""
+    mem = kv_memory(engine)
+    ranks = [rank_stats(p, s) for p, s in zip(engine.pools, engine.schedulers)]
+    totals = {k: sum(r[k] for r in ranks) for k in ranks[0]}
+    runner, cfg = engine.runner, engine.config
+    return {
+        **totals,
+        "block_size": engine.pool.block_size,
+        "num_compilations": compile_counter.num_compilations(),
+        "num_compiled_shapes": len(runner.compiled_shapes),
+        "num_step_shapes": len(engine.buckets.token_buckets()),
+        "warmup_done": runner.warmup_done and len(runner.compiled_shapes) == len(engine.buckets.token_buckets()),
+        "num_steps": engine.num_steps,
+        "num_generated_tokens": engine.num_generated_tokens,
+        "num_computed_prompt_tokens": engine.num_computed_prompt_tokens,
+        **(engine.spec.stats() if engine.spec is not None else NO_SPEC_STATS),
+        "kv_cache": cfg.kv_cache,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},
+        "kv_utilization": mem.utilization,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "data_parallel_size": cfg.data_parallel_size,
+        "weight_bytes_per_device": engine.weight_bytes_per_device,
+        "kv_pool_bytes_per_device": engine.kv_pool_bytes_per_device,
+        "data_parallel_ranks": ranks,
+    }
+
+
+def kv_memory(engine) -> KVMemory:
+    """KV memory accounting from the block pools' state now (see core.kv_memory), summed
+    over the data-parallel ranks."""
+    each = [rank_kv_memory(p, s.running, engine.max_model_len, engine.kv_budget_tokens)
+            for p, s in zip(engine.pools, engine.schedulers)]
+    return KVMemory(**{f.name: sum(getattr(m, f.name) for m in each) for f in fields(KVMemory)})
+
+
+def rank_stats(pool: BlockPool, s: Scheduler) -> dict:
+    return {
+        "kv_blocks_total": pool.num_blocks,
+        "kv_blocks_free": pool.num_free,
+        "kv_blocks_cached": pool.num_cached,
+        "num_requests_running": len(s.running),
+        "num_requests_waiting": len(s.waiting),
+        "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
+        "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+        "num_preemptions": s.num_preemptions,
+        "num_forks": s.num_forks,
+        "num_cow_copies": pool.num_cow_copies,
+    }
+
+
+def model_name(model) -> str:
+    return "SmolLM2-135M-Instruct" if model is None else Path(str(model)).name
+
+
+def tokenizer_eos(tokenizer) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (int(eos),)
