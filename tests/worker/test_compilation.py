@@ -43,7 +43,7 @@ def test_background_warmup_yields_to_steps_that_fit_and_resumes_when_idle_or_ful
     or the engine is idle, and `wait_for_warmup` always finishes it."""
     path, _ = tiny_checkpoints("qwen2")
     llm = LLM(str(path), max_num_seqs=4, max_model_len=256, block_size=8, num_blocks=64, max_num_batched_tokens=64)
-    engine, go = llm.engine, llm.engine.runner._warmup_go
+    engine, go = llm.engine, llm.engine.runner.background_warmup.go
     engine.add_request("small", [3, 4, 5], SamplingParams(max_tokens=3))
     engine.step()
     assert not go.is_set(), "a 3-token step fits every bucket: the warm-up should wait"
