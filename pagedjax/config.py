@@ -1,9 +1,9 @@
 """Engine settings, validated up front, with defaults derived from the model."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from models.dtypes import check_dtype, check_kv_cache_dtype
+from models.dtypes import DTYPES, KV_CACHE_DTYPES, check_dtype, check_kv_cache_dtype
 
 from pagedjax.spec_decode.config import SpeculativeConfig
 
@@ -12,27 +12,68 @@ CPU_KV_BUDGET_BYTES = 2 << 30  # default KV memory on the CPU backend
 ACCELERATOR_KV_FRACTION = 0.8  # of the device memory left after weights
 
 
+def _json_object(text: str) -> dict:
+    """A command-line JSON object (argparse type)."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def option(default, help: str, type=None, **cli):
+    """An EngineConfig field with what its command-line flag needs: help, the argparse type
+    (int, float, str, bool or a parser), and optionally choices, flags (extra option strings),
+    negative (an extra flag that turns a bool off), metavar."""
+    return field(default=default, metadata={"help": help, "type": type, **cli})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model
-    block_size: int = 16
-    num_blocks: int | None = None  # None: from the KV memory budget; dense: the number of slots
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_batched_tokens: int | None = None  # None: 2048 (tokens of one step, padding included)
-    enable_prefix_caching: bool = True
-    kv_cache: str = "paged"  # "dense": one max_model_len slot per request, block_size unused
-    dtype: str = "auto"  # the model's matrices: "auto" (bf16 where the hardware has fast bf16), "bfloat16", "float32"
-    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "bfloat16" or "float32"
-    seed: int = 0
-    kv_cache_memory_gb: float | None = None  # per data-parallel rank (split over its tp devices)
-    attention_impl: str = "auto"
-    scan_layers: bool | None = None  # None: scan on accelerators, unrolled on CPU (models.loader)
-    tensor_parallel_size: int = 1  # devices the weights and KV heads are split over ("model" axis)
-    data_parallel_size: int = 1  # ranks with their own block pool and rows ("data" axis); num_blocks, max_num_seqs per rank
-    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
-    speculative_config: dict | SpeculativeConfig | None = None
-    async_scheduling: bool = True  # schedule and dispatch step t + 1 before reading step t's tokens
+    """Every engine option. `LLM(...)` takes them as keyword arguments and the command line
+    as flags (`--` and the name with dashes, generated from these fields)."""
+
+    model: str | None = option(None, "local Hugging Face model dir (default: the embedded SmolLM2-135M-Instruct)")
+    block_size: int = option(16, "tokens per KV block (a power of two)", int)
+    num_blocks: int | None = option(None, "KV blocks in the pool (default: from the KV memory budget; dense: the "
+                                    "number of slots)", int)
+    max_num_seqs: int = option(64, "most requests running at once (per data-parallel rank)", int)
+    max_model_len: int | None = option(None, "prompt + output token limit (default: the model's "
+                                       "max_position_embeddings)", int)
+    max_num_batched_tokens: int | None = option(None, "tokens per step, decode and prompt chunks together, padding "
+                                                "included (default: 2048)", int)
+    enable_prefix_caching: bool = option(True, "share identical prompt prefixes (blocks by reference count)", bool,
+                                         negative="--no-prefix-caching")
+    kv_cache: str = option("paged", "paged: fixed-size blocks in one pool; dense: one contiguous max_model_len slot "
+                           "per request (block_size unused)", str, choices=KV_CACHE_KINDS)
+    dtype: str = option("auto", "the model's matrices (activations stay float32); auto: bfloat16 where the hardware "
+                        "has fast bf16 (TPU, GPU, CPU with AVX512-BF16/AMX), else float32", str,
+                        choices=("auto", *DTYPES))
+    kv_cache_dtype: str = option("auto", "KV cache dtype (auto: the model dtype)", str, choices=KV_CACHE_DTYPES)
+    seed: int = option(0, "engine seed (requests without a seed of their own draw theirs from it)", int)
+    kv_cache_memory_gb: float | None = option(None, "KV memory per data-parallel rank, split over its tensor-parallel "
+                                              "devices (default: 2 GiB on CPU, 80%% of the free device memory "
+                                              "on accelerators)", float)
+    attention_impl: str = option("auto", "paged attention kernel: auto, reference, chunked, ragged, native, "
+                                 "pallas_tpu, pallas_gpu (see pallas_kernels/paged_attention/ops.py)", str)
+    scan_layers: bool | None = option(None, "run the layers as one lax.scan (default: on accelerators; unrolled "
+                                      "on CPU)", bool)
+    tensor_parallel_size: int = option(1, "devices the weights and KV heads are split over (the mesh's model axis)",
+                                       int, flags=("-tp",))
+    data_parallel_size: int = option(1, "ranks with their own block pool and rows (the mesh's data axis); "
+                                     "num_blocks and max_num_seqs are per rank", int, flags=("-dp",))
+    speculative_config: dict | SpeculativeConfig | None = option(
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        '(prompt lookup) or \'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\' (a draft model with the same '
+        'vocabulary; it drafts fewer or none while they do not pay, "adaptive": false keeps k)',
+        _json_object, metavar="JSON")
+    async_scheduling: bool = option(True, "schedule and dispatch step t + 1 before reading step t's tokens (the host "
+                                    "prepares the next step while the device runs this one)", bool)
 
     def __post_init__(self) -> None:
         def positive(name, value):

@@ -53,3 +53,17 @@ def default_tokenizer(default_model_path):
     from models.loader import load_tokenizer
 
     return load_tokenizer(default_model_path)
+
+
+def pytest_collection_modifyitems(items):
+    """Markers by what a test needs (registered in pyproject.toml): `slow` for the embedded
+    default model (135M parameters; its first use converts the GGUF), `multiprocess` for the
+    tests that start processes of their own (tests/parallel/), `gpu` for the GPU kernel and
+    GPU compile paths (interpret mode or deviceless export on a CPU machine)."""
+    for item in items:
+        if {"default_model_path", "default_tokenizer"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if "tests/parallel/" in item.nodeid:
+            item.add_marker(pytest.mark.multiprocess)
+        if "gpu" in item.nodeid.lower():
+            item.add_marker(pytest.mark.gpu)

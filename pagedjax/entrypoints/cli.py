@@ -7,50 +7,35 @@ import sys
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine knobs shared by every subcommand."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most requests running at once (default: 64; generate: the number of prompts)")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step, decode and prompt chunks together (default 2048)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes")
-    g.add_argument("--no-async-scheduling", action="store_true",
-                   help="read each step's tokens before scheduling the next (default: the host prepares "
-                        "step t + 1 while the device runs step t)")
-    g.add_argument("--kv-cache", choices=["paged", "dense"], default="paged")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the model's matrices (activations stay float32); auto: bfloat16 where the hardware "
-                        "has fast bf16 (TPU, GPU, CPU with AVX512-BF16/AMX), else float32")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="KV cache dtype (auto: the model dtype)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds derive from it)")
-    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' (prompt lookup) or \'{"model": "DRAFT_DIR", '
-                        '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary; it drafts '
-                        'fewer or none while they do not pay, "adaptive": false keeps k)')
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="devices to split the weights and KV heads over (default 1)")
-    g.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    """A flag for every EngineConfig field (but `model`, which each subcommand takes its own
+    way), generated from the fields: `--block-size`, `--enable-prefix-caching` /
+    `--no-enable-prefix-caching`, ...; the help shows each default."""
+    g = p.add_argument_group("engine (EngineConfig; the same names are LLM(...) keyword arguments)")
+    for f in engine_fields():
+        meta = dict(f.metadata)
+        flags = [*meta.pop("flags", ()), "--" + f.name.replace("_", "-")]
+        kind, help_text, negative = meta.pop("type"), meta.pop("help"), meta.pop("negative", None)
+        if "(default:" not in help_text:
+            help_text += " (default: %(default)s)"
+        if kind is bool:
+            g.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=help_text)
+            if negative:
+                g.add_argument(negative, dest=f.name, action="store_false", help=f"the same as --no-{flags[-1][2:]}")
+        else:
+            g.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text, **meta)
     m = p.add_argument_group("several processes (every process runs the same command, its own --process-id)")
     m.add_argument("--coordinator-address", default=None, metavar="HOST:PORT", help="process 0's address")
-    m.add_argument("--num-processes", type=int, default=1)
-    m.add_argument("--process-id", type=int, default=0)
+    m.add_argument("--num-processes", type=int, default=1, help="(default: %(default)s)")
+    m.add_argument("--process-id", type=int, default=0, help="(default: %(default)s)")
 
 
-def _json_object(text: str) -> dict:
-    import json
+def engine_fields():
+    from dataclasses import fields
 
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
+    from pagedjax.config import EngineConfig
+
+    return [f for f in fields(EngineConfig) if f.name != "model"]
 
 
 def init_processes(args: argparse.Namespace) -> None:
@@ -64,15 +49,8 @@ def init_processes(args: argparse.Namespace) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    max_num_seqs = 64 if args.max_num_seqs is None else args.max_num_seqs  # 0 is refused, not taken as unset
-    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=max_num_seqs,
-                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, kv_cache=args.kv_cache, dtype=args.dtype,
-                kv_cache_dtype=args.kv_cache_dtype,
-                seed=args.seed, speculative_config=args.speculative_config,
-                async_scheduling=not args.no_async_scheduling,
-                tensor_parallel_size=args.tensor_parallel_size,
-                data_parallel_size=args.data_parallel_size)
+    """The EngineConfig keyword arguments of parsed engine flags."""
+    return {f.name: getattr(args, f.name) for f in engine_fields()}
 
 
 def _generate_parser(sub) -> None:
@@ -90,7 +68,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     add_engine_arguments(p)
-    p.set_defaults(func=run_generate)
+    p.set_defaults(func=run_generate, max_num_seqs=None)  # None: as many as the prompts (at most 64)
+    seqs = next(a for a in p._actions if a.dest == "max_num_seqs")
+    seqs.help = "most requests running at once (default: the number of prompts, at most 64)"
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -1,9 +1,12 @@
 """The offline API: `LLM(...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
+from dataclasses import fields
 
+from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.outputs import RequestOutput
@@ -16,18 +19,11 @@ class LLM:
     within the compiled buckets meanwhile) and, once `wait_for_warmup()` returns, batches of
     any size and length within the limits compile nothing."""
 
-    def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
-                 max_num_seqs: int = 64, max_model_len: int | None = None,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache: str = "paged", dtype: str = "auto", kv_cache_dtype: str = "auto", seed: int = 0,
-                 warmup: bool = True, **kwargs):
-        self.engine = LLMEngine(model, stream_text=False, block_size=block_size, num_blocks=num_blocks,
-                                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                enable_prefix_caching=enable_prefix_caching, kv_cache=kv_cache, dtype=dtype,
-                                kv_cache_dtype=kv_cache_dtype,
-                                seed=seed, **kwargs)
-        self._warmup_pending = False
+    def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_kwargs):
+        """model: a local Hugging Face dir, None for the embedded default model; engine_kwargs:
+        any EngineConfig field (block_size, num_blocks, max_num_seqs, max_model_len, kv_cache,
+        dtype, ...: the signature lists them with their defaults)."""
+        self.engine = LLMEngine(model, stream_text=False, **engine_kwargs)
         if warmup:
             self.engine.warmup(background=True)
         self._ids = itertools.count()
@@ -54,9 +50,6 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                  f"pass one, or exactly one per prompt")
-        if self._warmup_pending:
-            self.engine.warmup(progress=use_tqdm)
-            self._warmup_pending = False
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
         try:
@@ -97,9 +90,6 @@ class LLM:
 
         prompts = _as_prompt_list(prompts)
         params = params or BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens)
-        if self._warmup_pending:
-            self.engine.warmup(progress=use_tqdm)
-            self._warmup_pending = False
         ids = [f"beam-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt in zip(ids, prompts):
@@ -131,3 +121,16 @@ def _as_prompt_list(prompts) -> list:
         if not isinstance(p, str) and not (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
             raise TypeError(f"each prompt must be a str or a list of token ids, got {type(p).__name__}")
     return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _signature() -> inspect.Signature:
+    """LLM(model, *, <every EngineConfig field with its default>, warmup)."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+               for f in fields(EngineConfig) if f.name != "model"]
+    params.append(inspect.Parameter("warmup", inspect.Parameter.KEYWORD_ONLY, default=True))
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()
