@@ -10,7 +10,7 @@ import numpy as np
 
 from models.kv_cache import AttentionMetadata
 from pagedjax.core.buckets import Buckets
-from pagedjax.core.sched.scheduler import SchedulerOutput
+from pagedjax.core.sched.output import SchedulerOutput
 from pagedjax.sample import prompt_logprobs
 from pagedjax.sample.sampler import SamplingInputs
 from pagedjax.sample.token_mask import mask_needed

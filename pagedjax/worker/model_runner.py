@@ -29,7 +29,7 @@ from pagedjax.sample import penalties, prompt_logprobs
 from pagedjax.sample.penalties import PenaltySlots, init_penalty_state
 from pagedjax.sample.sampler import SamplingInputs, sample_step
 from pagedjax.sample.token_mask import bitmask_words
-from pagedjax.core.sched.scheduler import SchedulerOutput
+from pagedjax.core.sched.output import SchedulerOutput
 from pagedjax.worker.input_batch import InputBatch, StepInputs
 from pagedjax.worker.compilation import CompiledSteps
 from pagedjax.worker.warmup import BackgroundWarmup

@@ -38,3 +38,48 @@ def test_cli_silences_transformers_torch_advice(monkeypatch):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "1"
+
+
+def test_every_engine_option_is_a_flag_with_its_default_shown(capsys):
+    """The engine flags are generated from EngineConfig: one per field, defaults in --help,
+    and the parsed flags are EngineConfig's keyword arguments."""
+    import argparse
+    from dataclasses import fields
+
+    import pytest
+
+    from pagedjax.config import EngineConfig
+    from pagedjax.entrypoints.cli import add_engine_arguments, engine_kwargs
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in fields(EngineConfig):
+        if f.name != "model":
+            assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "tokens per KV block (a power of two) (default: 16)" in text
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    kw = engine_kwargs(parser.parse_args(["--block-size", "32", "--no-prefix-caching", "--no-async-scheduling",
+                                          "-tp", "2", "--scan-layers", "--kv-cache-memory-gb", "1.5",
+                                          "--attention-impl", "reference",
+                                          "--speculative-config", '{"num_speculative_tokens": 2}']))
+    assert set(kw) == {f.name for f in fields(EngineConfig)} - {"model"}
+    assert (kw["block_size"], kw["enable_prefix_caching"], kw["async_scheduling"], kw["tensor_parallel_size"],
+            kw["scan_layers"], kw["kv_cache_memory_gb"], kw["attention_impl"]) == (32, False, False, 2, True, 1.5,
+                                                                                   "reference")
+    assert EngineConfig(**kw).speculative_config.num_speculative_tokens == 2
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert defaults == {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
+
+
+def test_llm_signature_lists_every_engine_option():
+    import inspect
+    from dataclasses import fields
+
+    from pagedjax import LLM
+    from pagedjax.config import EngineConfig
+
+    params = inspect.signature(LLM).parameters
+    assert list(params) == [f.name for f in fields(EngineConfig)] + ["warmup"]
+    assert all(params[f.name].default == f.default for f in fields(EngineConfig))

@@ -1,0 +1,79 @@
+"""The import arrows point one way: entry points -> engine -> core/worker/features -> models ->
+kernels. Read from the source (ast), so a new upward import fails here, not in a review."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("pagedjax", "models", "pallas_kernels")
+# what each package may import directly, besides itself; a package may also import whatever
+# those may (transitively)
+MAY_IMPORT = {
+    "pallas_kernels": [],
+    "models": ["pallas_kernels"],
+    "pagedjax.sampling_params": [],
+    "pagedjax.outputs": [],
+    "pagedjax.core": ["pagedjax.sampling_params", "pagedjax.outputs"],
+    "pagedjax.sample": ["pagedjax.sampling_params", "pallas_kernels"],
+    "pagedjax.structured_output": ["pagedjax.core", "pagedjax.sample"],
+    "pagedjax.parallel": ["pagedjax.core", "models"],
+    "pagedjax.spec_decode": ["pagedjax.core", "pagedjax.sample", "models"],
+    "pagedjax.worker": ["pagedjax.core", "pagedjax.sample", "pagedjax.parallel", "models"],
+    "pagedjax.config": ["models", "pagedjax.spec_decode"],
+    "pagedjax.engine": ["pagedjax.config", "pagedjax.worker", "pagedjax.spec_decode", "pagedjax.structured_output"],
+    "pagedjax.compare": ["pagedjax.engine"],
+    "pagedjax.entrypoints": ["pagedjax.engine", "pagedjax.compare"],
+    "pagedjax.__init__": ["pagedjax.entrypoints"],
+}
+
+
+def unit(module: str) -> str:
+    """The package (or top-level module) of pagedjax a module belongs to."""
+    parts = module.split(".")
+    return parts[0] if parts[0] != "pagedjax" else ".".join(parts[:2]) if len(parts) > 1 else "pagedjax.__init__"
+
+
+def closure(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for dep in MAY_IMPORT[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def sources():
+    for top in OURS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            yield ".".join(path.relative_to(ROOT).with_suffix("").parts), path
+
+
+def test_every_package_is_placed():
+    units = {unit(m) for m, _ in sources()}
+    assert units <= set(MAY_IMPORT), f"packages missing from MAY_IMPORT: {sorted(units - set(MAY_IMPORT))}"
+
+
+def test_imports_point_down():
+    wrong = []
+    for module, path in sources():
+        me = unit(module)
+        allowed = closure(me) | {me}
+        for target in imports(path):
+            if target.split(".")[0] in OURS and unit(target) not in allowed:
+                wrong.append(f"{path.relative_to(ROOT)}: {me} imports {target}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_core_is_host_only():
+    """The block pool, scheduler and requests are plain Python/numpy: testable with no model."""
+    heavy = [f"{path.relative_to(ROOT)}: {t}" for m, path in sources() if unit(m) == "pagedjax.core"
+             for t in imports(path) if t.split(".")[0] in ("jax", "jaxlib", "flax")]
+    assert not heavy
