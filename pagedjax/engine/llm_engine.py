@@ -10,6 +10,8 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from models.kv_cache import DenseKVCache, PagedKVCache
@@ -32,6 +34,15 @@ from pagedjax.spec_decode.manager import make_spec_decode
 from pagedjax.structured_output.manager import StructuredOutputManager
 from pagedjax.worker import compile_counter
 from pagedjax.worker.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one `step()` did, for step observers (tests, benchmarks, tracing)."""
+
+    outs: list  # one SchedulerOutput (or None: idle) per data-parallel rank
+    produced: list  # (request, its first sampled row, its tokens or None) per request that produced
+    dispatched_ahead: bool  # async scheduling dispatched the next step before reading this one
 
 
 class LLMEngine:
@@ -87,6 +98,7 @@ class LLMEngine:
         # whose followers replay process 0's steps one at a time
         self.async_scheduling = cfg.async_scheduling and not is_multiprocess()
         self._inflight = None  # (outs, PendingStep) dispatched, not yet read back
+        self.step_observers: list = []  # callables, each called with a StepRecord after every step
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -215,11 +227,12 @@ class LLMEngine:
             if outs is None:
                 return []
             pending = self._dispatch(outs)
+        ahead = False
         if self._can_overlap():
             produced = self._update(outs, pending)  # placeholders for the tokens still on the device
             nxt = self._schedule(hold=self._finishing(produced))
             if nxt is not None:
-                self._inflight = (nxt, self._dispatch(nxt, prev=pending))
+                self._inflight, ahead = (nxt, self._dispatch(nxt, prev=pending)), True
             result = self.runner.fetch(pending)
             self.output.fill_placeholders(produced, result)
         else:
@@ -235,6 +248,8 @@ class LLMEngine:
         for req in finished:
             self._release(req)
         self._warmup_if_idle()
+        for observe in self.step_observers:
+            observe(StepRecord(outs, produced, ahead))
         return outputs
 
     def _schedule(self, hold: frozenset = frozenset()) -> list | None:

@@ -7,15 +7,13 @@ from pagedjax.engine.llm_engine import LLMEngine
 
 
 def _count_overlapped(engine) -> list[int]:
-    """Counts steps dispatched while the previous one was still unread (prev given)."""
+    """Counts steps dispatched while the previous one was still unread (a step observer)."""
     counter = [0]
-    dispatch = engine.runner.dispatch
 
-    def counting(outs, fill_masks=None, prev=None):
-        counter[0] += prev is not None
-        return dispatch(outs, fill_masks, prev)
+    def count(record):
+        counter[0] += record.dispatched_ahead
 
-    engine.runner.dispatch = counting
+    engine.step_observers.append(count)
     return counter
 
 
@@ -74,12 +72,13 @@ def test_abort_while_a_step_is_in_flight(tiny_checkpoints):
                            num_blocks=32, async_scheduling=async_scheduling)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, p)
-        done = {}
+        done, records = {}, []
+        engine.step_observers.append(records.append)
         for k in range(100):
             if not engine.has_unfinished_requests():
                 break
             if abort and k == 3:
-                assert engine._inflight is not None or not async_scheduling
+                assert records[-1].dispatched_ahead or not async_scheduling  # a step is in flight
                 engine.abort_request("r1")
             for out in engine.step():
                 if out.finished:
