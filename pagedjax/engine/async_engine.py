@@ -26,8 +26,7 @@ from collections import deque
 from typing import Any, Callable
 
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
-from pagedjax.engine.request_stream import (EngineDeadError, QueueFullError, RequestStream, ShuttingDownError,  # noqa: F401
-                                             merge_delta)
+from pagedjax.engine.request_stream import EngineDeadError, QueueFullError, RequestStream, ShuttingDownError
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 

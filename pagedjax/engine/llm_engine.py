@@ -23,6 +23,7 @@ from pagedjax.core.buckets import Buckets
 from pagedjax.core.request import PLACEHOLDER, Request
 from pagedjax.core.sched.scheduler import Scheduler
 from pagedjax.engine import engine_stats
+from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_sizing import plan_kv
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
@@ -87,6 +88,8 @@ class LLMEngine:
         self.weight_bytes_per_device = bytes_per_device(self.runner.state)
         self.kv_pool_bytes_per_device = bytes_per_device(self.runner.kv)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or engine_stats.tokenizer_eos(self.tokenizer)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.runner.vocab_size,
+                                     self.model_name)
         self.masks = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
                                              self.model_name)
         self.output = OutputProcessor(self.tokenizer, self.schedulers, self.masks, stream_text)
@@ -111,8 +114,8 @@ class LLMEngine:
         self._check_new_id(request_id)
         if self.tokenizer is None and params.stop_strings:
             raise ValueError(f"{self.model_name} has no tokenizer: stop strings cannot be matched")
-        text, ids = self._tokenize(prompt)
-        self._check_token_ids(params)
+        text, ids = self.inputs.tokenize(prompt)
+        self.inputs.check_token_ids(params)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if params.uses_token_mask:
             self.masks.add(seq_ids, params)
@@ -129,7 +132,7 @@ class LLMEngine:
     def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
         """Queues a beam search; its result lands in `finished_beam_searches[request_id]`."""
         self._check_new_id(request_id)
-        _, ids = self._tokenize(prompt)
+        _, ids = self.inputs.tokenize(prompt)
         if self.beams is None:
             self.beams = BeamSearchManager(self.schedulers, self.tokenizer)
         group = BeamGroup(request_id, ids, params, self.eos_token_ids)
@@ -145,29 +148,6 @@ class LLMEngine:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.output.groups or (self.beams is not None and request_id in self.beams.groups):
             raise ValueError(f"request id {request_id!r} is already in use")
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.runner.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids), with clear errors for what cannot run."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_name} has no tokenizer: give token-id prompts")
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        return text, ids
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request at once and returns its blocks; unknown ids are ignored."""

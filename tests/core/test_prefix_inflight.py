@@ -42,7 +42,7 @@ def test_prefix_shared_by_requests_arriving_together_is_computed_once():
     assert s.prefix_cache_hit_tokens == 23 * 480  # every request but the first hits the whole prefix
     assert [r.num_cached_tokens for r in reqs] == [0] + [480] * 23
     assert prefill == 480 + suffixes  # the prefix once, each suffix once
-    assert s.pool.num_free == s.pool.num_blocks and not s._inflight
+    assert s.pool.num_free == s.pool.num_blocks and not s.prefix.inflight
     s.pool.check_invariants()
 
 
@@ -53,7 +53,7 @@ def test_prefix_caching_off_admits_everything_at_once():
         s.add(r)
     out = run_step(s)
     assert len(out.requests) == 5 and sum(out.q_lens) == 2048  # 4 whole prompts and a chunk of a fifth
-    assert s.prefix_cache_hit_tokens == 0 and not s._inflight
+    assert s.prefix_cache_hit_tokens == 0 and not s.prefix.inflight
 
 
 def req(rid, tokens, max_tokens=4):
@@ -84,9 +84,9 @@ def _stop_mid_prefill(stop):
     s = make(budget=32)
     s.add(a), s.add(b)
     run_step(s)
-    assert a.num_computed_tokens == 32 and list(s.waiting) == [b] and s._inflight
+    assert a.num_computed_tokens == 32 and list(s.waiting) == [b] and s.prefix.inflight
     stop(s, a)
-    assert not s._inflight  # nothing waits on a request that no longer computes
+    assert not s.prefix.inflight  # nothing waits on a request that no longer computes
     out = run_step(s)
     assert out.requests == [b] and out.starts == [32]
     while s.has_unfinished():
@@ -103,7 +103,7 @@ def test_waiter_proceeds_when_the_computing_request_is_aborted():
 def test_waiter_proceeds_when_the_computing_request_is_preempted_then_aborted():
     def preempt_then_abort(s, a):
         s._preempt(a)  # as when a decode needs its blocks: a goes back to the head of the queue
-        assert not s._inflight
+        assert not s.prefix.inflight
         s.finish(a, "abort")  # and its client leaves before it resumes
 
     s, a = _stop_mid_prefill(preempt_then_abort)
@@ -130,5 +130,5 @@ def test_preempted_computing_request_resumes_and_the_waiter_still_hits():
     assert not s.has_unfinished() and s.num_preemptions >= 1
     assert b.num_cached_tokens == 64 and b_prefill == 4
     assert len(a.output_token_ids) == len(b.output_token_ids) == 2
-    assert not s._inflight and s.pool.num_free == 10
+    assert not s.prefix.inflight and s.pool.num_free == 10
     s.pool.check_invariants()

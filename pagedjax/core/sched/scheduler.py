@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from pagedjax.core.block_pool import BlockPool, hash_block
+from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.buckets import Buckets
 from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.sched.output import SchedulerOutput
+from pagedjax.core.sched.prefix_cache import PrefixCache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,8 +45,7 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0
         self.num_forks = 0
         self._copies: list[tuple[int, int]] = []  # copy-on-write copies for the step being built
-        self._inflight: dict[bytes, Request] = {}  # key of a full block being computed -> the request computing it
-        self._inflight_keys: dict[Request, list[bytes]] = {}  # request -> its keys in _inflight
+        self.prefix = PrefixCache(pool)  # prefix-cache lookups and the blocks running requests are computing
 
     # -- queue management -----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -76,7 +76,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release_inflight(req)
+        self.prefix.release(req)
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
         req.status = RequestStatus.FINISHED
@@ -150,8 +150,8 @@ class Scheduler:
             req = self.waiting[0]
             fits = seats + 1 + req.reserved_seats <= max_seqs  # room for it and the sequences it will fork
             if fits:
-                hits, next_key = self._match_prefix(req)
-                if next_key is not None and self._in_flight(next_key, req):
+                hits, next_key = self.prefix.match(req)
+                if next_key is not None and self.prefix.in_flight(next_key, req):
                     skipped.append(self.waiting.popleft())
                     continue
                 start = len(hits) * self.block_size
@@ -177,7 +177,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(req)
-            self._register_inflight(req)
+            self.prefix.register(req)
             seats += 1 + req.reserved_seats
             for r in passed:
                 r.num_passed += 1
@@ -253,7 +253,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Frees a running request's blocks; it is recomputed later (its prefix may be cached)."""
         self.running.remove(req)
-        self._release_inflight(req)
+        self.prefix.release(req)
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
         req.draft_token_ids = []
@@ -265,60 +265,11 @@ class Scheduler:
 
     def num_cached_prefix_blocks(self, req: Request) -> int:
         """Leading blocks of req this pool has cached now (nothing taken)."""
-        return len(self._match_prefix(req)[0])
+        return len(self.prefix.match(req)[0])
 
     def load(self) -> int:
         """Sequences running or waiting here, with the seats they hold for forks."""
         return self.num_seats_taken() + sum(1 + r.reserved_seats for r in self.waiting)
-
-    def _match_prefix(self, req: Request) -> tuple[list[int], bytes | None]:
-        """Cached blocks covering req's leading full blocks (at least one token left to
-        compute), and the key of the full block after them (None: none left to look up)."""
-        if not self.pool.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return [], None  # prompt logprobs need every prompt position computed
-        hits, parent, bs = [], None, self.block_size
-        all_ids = req.all_token_ids
-        for i in range((req.num_tokens - 1) // bs):
-            tokens = tuple(all_ids[i * bs:(i + 1) * bs])
-            h = req.block_hashes[i] if i < len(req.block_hashes) else \
-                hash_block(parent, tokens, req.cache_salt if i == 0 else None)
-            block = self.pool.lookup(h, tokens)
-            if block is None:
-                return hits, h
-            if i >= len(req.block_hashes):
-                req.block_hashes.append(h)
-            hits.append(block)
-            parent = h
-        return hits, None
-
-    # -- prefix blocks in flight ----------------------------------------------------------
-    def _in_flight(self, key: bytes, req: Request) -> bool:
-        """Whether another running request is computing the full block with this key now."""
-        owner = self._inflight.get(key)
-        return owner is not None and owner is not req and owner.status is RequestStatus.RUNNING
-
-    def _register_inflight(self, req: Request) -> None:
-        """Marks the full blocks a just admitted req will compute (after its hits) as in
-        flight, so that waiting requests needing them wait for them rather than compute them
-        too. Entries go when the block is cached, or all at once when req completes its
-        pending tokens, finishes or is preempted."""
-        if not self.pool.enable_prefix_caching:
-            return
-        bs, tokens = self.block_size, req.all_token_ids
-        parent = req.block_hashes[-1] if req.block_hashes else None
-        keys = []
-        for i in range(len(req.block_hashes), req.num_tokens // bs):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], None if i else req.cache_salt)
-            if self._inflight.setdefault(parent, req) is req:  # first computing request owns it
-                keys.append(parent)
-        if keys:
-            self._inflight_keys[req] = keys
-
-    def _release_inflight(self, req: Request) -> None:
-        """Drops req's in-flight entries: nobody waits for blocks it no longer computes."""
-        for key in self._inflight_keys.pop(req, ()):
-            if self._inflight.get(key) is req:
-                del self._inflight[key]
 
     # -- after the step -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int, list[int] | None]]:
@@ -336,10 +287,10 @@ class Scheduler:
             req.num_computed_tokens += q - n_drafts + len(tokens) - 1
             if n_drafts:
                 self._release_tail(req, req.num_computed_tokens)
-            self._cache_full_blocks(req)
+            self.prefix.cache_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue
-            self._release_inflight(req)  # nothing left to compute: its blocks are cached
+            self.prefix.release(req)  # nothing left to compute: its blocks are cached
             if req.params.max_tokens == 0:  # scoring a prompt: nothing to generate
                 self.finish(req, "length")
                 produced.append((req, i, None))
@@ -356,20 +307,6 @@ class Scheduler:
             self.fork(parent, child, shared_kv_tokens=parent.num_computed_tokens)
             child.num_computed_tokens -= 1
         parent.pending_forks, parent.reserved_seats = [], 0
-
-    def _cache_full_blocks(self, req: Request) -> None:
-        if not self.pool.enable_prefix_caching:
-            return
-        bs = self.block_size
-        tokens = None
-        for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
-            tokens = tokens or req.all_token_ids
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash_block(req.block_hashes[-1] if req.block_hashes else None, chunk, None if i else req.cache_salt)
-            req.block_hashes.append(h)
-            self.pool.cache_block(req.block_ids[i], h, chunk)
-            if self._inflight.get(h) is req:  # waiters hit it from now on
-                del self._inflight[h]
 
     def check_stop(self, req: Request, token: int, num_output: int | None = None) -> None:
         """Finishes req if `token` ends it (EOS, stop token, max_tokens, max_model_len).

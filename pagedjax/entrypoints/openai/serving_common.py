@@ -21,8 +21,9 @@ from fastapi.responses import StreamingResponse
 from pagedjax.core.beam_search import BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from pagedjax.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestStream,
-                                          ShuttingDownError, merge_delta)
+from pagedjax.engine.async_engine import AsyncEngine
+from pagedjax.engine.request_stream import (EngineDeadError, QueueFullError, RequestStream, ShuttingDownError,
+                                            merge_delta)
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
 from pagedjax.entrypoints.openai.protocol import UsageInfo, _SamplingRequest
 from pagedjax.entrypoints.openai.streaming import SSEResponse, merge_streams, wait_for_disconnect
