@@ -57,7 +57,7 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", "KV cache dtype (auto: the model dtype)", str, choices=KV_CACHE_DTYPES)
     seed: int = option(0, "engine seed (requests without a seed of their own draw theirs from it)", int)
     kv_cache_memory_gb: float | None = option(None, "KV memory per data-parallel rank, split over its tensor-parallel "
-                                              "devices (default: 2 GiB on CPU, 80%% of the free device memory "
+                                              "devices (default: 2 GiB on CPU, 0.8 of the free device memory "
                                               "on accelerators)", float)
     attention_impl: str = option("auto", "paged attention kernel: auto, reference, chunked, ragged, native, "
                                  "pallas_tpu, pallas_gpu (see pallas_kernels/paged_attention/ops.py)", str)

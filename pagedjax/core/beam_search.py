@@ -153,7 +153,7 @@ class BeamSearchManager:
         self.num_generated_tokens = 0
 
     def add(self, group: BeamGroup, rank: int) -> None:
-        group.root.dp_rank = rank
+        """Queues a beam search's root on its data-parallel rank (DataParallelRouter.route)."""
         self.schedulers[rank].add(group.root)
         self.groups[group.request_id] = group
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.kv_memory import KVMemory, kv_memory as rank_kv_memory
 from pagedjax.core.sched.scheduler import Scheduler
-from pagedjax.spec_decode.manager import NO_SPEC_STATS
+from pagedjax.spec_decode.manager import spec_stats
 from pagedjax.worker import compile_counter
 
 
@@ -27,7 +27,7 @@ def stats(engine) -> dict:
         "num_steps": engine.num_steps,
         "num_generated_tokens": engine.num_generated_tokens,
         "num_computed_prompt_tokens": engine.num_computed_prompt_tokens,
-        **(engine.spec.stats() if engine.spec is not None else NO_SPEC_STATS),
+        **spec_stats(engine.spec),
         "kv_cache": cfg.kv_cache,
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},

@@ -141,9 +141,7 @@ class LLMEngine:
     @property
     def finished_beam_searches(self) -> dict:
         """request id -> BeamSearchOutput of each beam search done and not yet popped."""
-        if self.beams is None:
-            self.beams = BeamSearchManager(self.schedulers, self.tokenizer)
-        return self.beams.finished
+        return self.beams.finished if self.beams is not None else {}
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.output.groups or (self.beams is not None and request_id in self.beams.groups):
@@ -222,7 +220,7 @@ class LLMEngine:
             self.spec.record_step(pending)
         if result.prompt is not None:
             self.output.collect_prompt_logprobs(outs, result.prompt)
-        if self.beams is not None:
+        if self.beams is not None and self.beams.groups:
             self.beams.process(produced, result)
         outputs, finished = self.output.process(produced, result)
         for req in finished:

@@ -25,6 +25,7 @@ class _Sequence:
     req: Request
     index: int
     detok: IncrementalDetokenizer | None
+    constrained: bool = False  # has a token mask (StructuredOutputManager), which a completed grammar ends
     text: str = ""
     sent_tokens: int = 0  # output_deltas: tokens (and logprobs) already returned
     sent_chars: int = 0  # output_deltas: characters of text already returned
@@ -73,7 +74,8 @@ class OutputProcessor:
             group.prompt_logprobs = [None] * len(ids)
         incremental = self.tokenizer is not None and (self.stream_text or bool(params.stop_strings))
         for i, req in enumerate(reqs):
-            seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None)
+            seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None,
+                            params.uses_token_mask)
             group.seqs.append(seq)
             self._seq_of[req.request_id] = seq
             self._group_of[req.request_id] = group
@@ -145,7 +147,7 @@ class OutputProcessor:
                 self.num_generated_tokens += 1
                 sched = self.schedulers[req.dp_rank]
                 sched.check_stop(req, token, before + j + 1)
-                if not self.masks.accept(req, token) and not req.is_finished:
+                if seq.constrained and not self.masks.accept(req, token) and not req.is_finished:
                     sched.finish(req, "stop")
                 if seq.detok is not None:
                     self._append_text(seq, token)

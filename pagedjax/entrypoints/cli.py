@@ -6,10 +6,11 @@ import os
 import sys
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, overrides: dict[str, dict] | None = None) -> None:
     """A flag for every EngineConfig field (but `model`, which each subcommand takes its own
     way), generated from the fields: `--block-size`, `--enable-prefix-caching` /
-    `--no-enable-prefix-caching`, ...; the help shows each default."""
+    `--no-enable-prefix-caching`, ...; the help shows each default. overrides: field name ->
+    add_argument keywords (default, help) a subcommand sets its own way."""
     g = p.add_argument_group("engine (EngineConfig; the same names are LLM(...) keyword arguments)")
     for f in engine_fields():
         meta = dict(f.metadata)
@@ -23,19 +24,25 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             if negative:
                 g.add_argument(negative, dest=f.name, action="store_false", help=f"the same as --no-{flags[-1][2:]}")
         else:
-            g.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help_text, **meta)
+            kwargs = {"type": kind, "default": f.default, "help": help_text, **meta, **(overrides or {}).get(f.name, {})}
+            g.add_argument(*flags, dest=f.name, **kwargs)
     m = p.add_argument_group("several processes (every process runs the same command, its own --process-id)")
     m.add_argument("--coordinator-address", default=None, metavar="HOST:PORT", help="process 0's address")
     m.add_argument("--num-processes", type=int, default=1, help="(default: %(default)s)")
     m.add_argument("--process-id", type=int, default=0, help="(default: %(default)s)")
 
 
-def engine_fields():
+def engine_fields(with_model: bool = False):
     from dataclasses import fields
 
     from pagedjax.config import EngineConfig
 
-    return [f for f in fields(EngineConfig) if f.name != "model"]
+    return [f for f in fields(EngineConfig) if with_model or f.name != "model"]
+
+
+def model_help() -> str:
+    """EngineConfig.model's help, for the subcommands' own model argument."""
+    return engine_fields(with_model=True)[0].metadata["help"]
 
 
 def init_processes(args: argparse.Namespace) -> None:
@@ -57,7 +64,7 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts, streaming it",
                        description="Generate text with the embedded default model or a local HF model dir.")
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (default: read one from stdin)")
-    p.add_argument("--model", default=None, help="local Hugging Face model dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -67,10 +74,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    add_engine_arguments(p)
-    p.set_defaults(func=run_generate, max_num_seqs=None)  # None: as many as the prompts (at most 64)
-    seqs = next(a for a in p._actions if a.dest == "max_num_seqs")
-    seqs.help = "most requests running at once (default: the number of prompts, at most 64)"
+    # max_num_seqs None: as many as the prompts (at most 64)
+    add_engine_arguments(p, {"max_num_seqs": {"default": None, "help": "most requests running at once (default: the "
+                                                                      "number of prompts, at most 64)"}})
+    p.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -141,18 +141,19 @@ class SpecDecodeManager:
         if self.drafter is not None:
             self.drafter.release(req)
 
-    def stats(self) -> dict:
-        return {
-            "spec_draft_tokens": self.num_draft_tokens,
-            "spec_accepted_tokens": self.num_accepted_draft_tokens,
-            "spec_acceptance_rate": self.num_accepted_draft_tokens / max(self.num_draft_tokens, 1),
-            # tokens a request gets from a step that verifies drafts (1 without speculation)
-            "spec_mean_tokens_per_step": 1 + self.num_accepted_draft_tokens / max(self.num_verify_steps, 1),
-        }
 
 
-NO_SPEC_STATS = {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_acceptance_rate": 0.0,
-                 "spec_mean_tokens_per_step": 1.0}
+def spec_stats(spec: SpecDecodeManager | None) -> dict:
+    """The speculation counters of LLMEngine.stats() (zeros, and 1 token a step, when off)."""
+    drafted, accepted, steps = ((spec.num_draft_tokens, spec.num_accepted_draft_tokens, spec.num_verify_steps)
+                                if spec is not None else (0, 0, 0))
+    return {
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / max(drafted, 1),
+        # tokens a request gets from a step that verifies drafts (1 without speculation)
+        "spec_mean_tokens_per_step": 1 + accepted / max(steps, 1),
+    }
 
 
 def make_spec_decode(cfg, buckets: Buckets, plan, draft=None) -> SpecDecodeManager | None:

@@ -274,9 +274,9 @@ class Scheduler:
     # -- after the step -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int, list[int] | None]]:
         """Advances counters; returns (request, its index in out.requests, new tokens) for
-        requests that completed their pending tokens, for the caller to append (the engine's
-        OutputProcessor, the one writer of output tokens) (partial prefill chunks produce none;
-        a max_tokens=0 request finishes with None). sampled: each entry's tokens, one, or
+        requests that completed their pending tokens (partial prefill chunks produce none; a
+        max_tokens=0 request finishes with None), for the caller to append: the engine's
+        OutputProcessor is the one writer of output tokens. sampled: each entry's tokens, one, or
         with drafts the accepted drafts plus one (only the verified positions count as
         computed; blocks past them go back to the pool)."""
         produced = []

@@ -19,10 +19,9 @@ logger = logging.getLogger("pagedjax.entrypoints.openai")
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `serve` options to `parser` (the engine knobs are the shared ones of
     `pagedjax.entrypoints.cli.add_engine_arguments`)."""
-    from pagedjax.entrypoints.cli import add_engine_arguments
+    from pagedjax.entrypoints.cli import add_engine_arguments, model_help
 
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="local Hugging Face model dir (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help())
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
