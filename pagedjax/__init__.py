@@ -5,6 +5,10 @@ from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):  # import the engine (and JAX) only when asked for
+    if name == "__version__":
+        from pagedjax.entrypoints.cli import package_version
+
+        return package_version()
     if name == "LLM":
         from pagedjax.entrypoints.llm import LLM
 

@@ -7,10 +7,13 @@ time), in a closed batch of 8, and all 12 at once through the engine's 8 sequenc
 (nothing to copy) show what speculation costs when it cannot help. Prints tokens/s, the
 speed-up, the acceptance rate, whether the outputs are identical and the engine steps a run
 took each way, then what a step of each size cost the speculating engine and the speed-up
-those costs allow a batch of 8 (`speculation_ceiling`); writes JSON.
+those costs allow a batch of 8 (`speculation_ceiling`, at the acceptance of drafts up to
+the k-th); writes JSON. Prompt lookup drafts past k in rows a step's bucket pads anyway
+(`idle_speculative_tokens`, `--idle-k`; `--idle-k` equal to `--k` turns that off): the
+"past k" column gives how many of those were accepted, and the ceiling leaves them out.
 `--draft-model DIR` speculates with a draft model (same vocabulary) instead of prompt lookup.
 
-    python scripts/bench_speculative.py [--model DIR] [--max-tokens 128] [--k 4] [--draft-model DIR]
+    python scripts/bench_speculative.py [--model DIR] [--max-tokens 128] [--k 4] [--idle-k 16] [--draft-model DIR]
 """
 from __future__ import annotations
 
@@ -79,7 +82,9 @@ def speculation_ceiling(step_ms: dict[int, float], rows: int, acceptance: float,
     d <= k tokens, from step costs by size (ms; a step of T tokens runs at the smallest measured
     size >= T) and drafts accepted independently at rate `acceptance`: a request then emits
     1 + a + ... + a^d tokens from a step of rows * (1 + d) tokens, against 1 from a step of `rows`.
-    Every request stays in the batch; a closed batch's tail of fewer requests only lowers it."""
+    Every request stays in the batch: a model of the full batch (a closed batch's tail of fewer
+    requests has idle rows, where drafts, past k too, cost nothing, but it is its slowest request,
+    often one with little to copy)."""
     def cost(t: int) -> float | None:
         sizes = [s for s in step_ms if s >= t]
         return step_ms[min(sizes)] if sizes else None
@@ -93,6 +98,12 @@ def speculation_ceiling(step_ms: dict[int, float], rows: int, acceptance: float,
         if c is not None:
             best = max(best, (sum(acceptance ** i for i in range(d + 1)) * plain / c, d))
     return best
+
+
+def _idle_drafts(llm: LLM) -> tuple[int, int]:
+    """(drafts past the k-th of their request verified so far, accepted): 0s without prompt lookup."""
+    spec = llm.engine.spec
+    return (getattr(spec, "num_idle_draft_tokens", 0), getattr(spec, "num_accepted_idle_draft_tokens", 0))
 
 
 def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[list[list[int]], float, int, int]:
@@ -112,6 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--idle-k", type=int, default=None,
+                   help="prompt lookup's idle_speculative_tokens: drafts per request in rows a step pads anyway "
+                        "(default: the engine's, 16; equal to --k: off)")
     p.add_argument("--lookup-min", type=int, default=1)
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--dtype", default="auto")
@@ -123,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
+    if args.idle_k is not None:
+        spec["idle_speculative_tokens"] = args.idle_k
     if args.draft_model:
         spec = {"model": args.draft_model, "num_speculative_tokens": args.k}
     kw = dict(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024, dtype=args.dtype)
@@ -132,10 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
     cases = benchmark_cases(engines["off"].tokenizer, args.batch_1_prompts)
     results = {"config": vars(args) | {"speculative_config": spec}, "cases": {}}
     print(f"{'case':28s} {'off tok/s':>16s} {'on tok/s':>16s} {'speed-up':>9s} {'accepted':>9s} "
-          f"{'tokens/step':>12s} {'identical':>10s} {'steps off/on':>13s}")
+          f"{'tokens/step':>12s} {'identical':>10s} {'steps off/on':>13s} {'past k':>14s}")
     for name, batch_prompts, batch in cases:
         llm_on, rates = engines["on"], {"off": [], "on": []}
         before, steps_before = llm_on.stats(), llm_on.engine.num_verify_steps
+        idle_before = _idle_drafts(llm_on)
         outs, steps = {}, {}
         for rep in range(args.repeats):  # alternating, so a noisy neighbour hits both alike
             for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
@@ -145,17 +162,22 @@ def main(argv: list[str] | None = None) -> dict:
         drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
         accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
         verify_steps = llm_on.engine.num_verify_steps - steps_before
+        idle_drafts, idle_accepted = (a - b for a, b in zip(_idle_drafts(llm_on), idle_before))
         off, on = float(np.median(rates["off"])), float(np.median(rates["on"]))
         case = {"off_tok_s": off, "on_tok_s": on, "off_runs": rates["off"], "on_runs": rates["on"],
                 "speedup": on / off, "draft_tokens": drafts, "accepted_tokens": accepted,
                 "acceptance_rate": accepted / max(drafts, 1), "tokens_per_verify_step": 1 + accepted / max(verify_steps, 1),
                 "identical": outs["on"] == outs["off"], "num_prompts": len(batch_prompts), "batch": batch,
-                "steps_off": steps["off"], "steps_on": steps["on"]}
+                "steps_off": steps["off"], "steps_on": steps["on"],
+                # drafts past the k-th of a request (idle rows), and those up to it (the ceiling's)
+                "idle_draft_tokens": idle_drafts, "idle_accepted_tokens": idle_accepted,
+                "acceptance_rate_up_to_k": (accepted - idle_accepted) / max(drafts - idle_drafts, 1)}
         results["cases"][name] = case
         spread = lambda r: f"{np.median(r):5.1f} [{min(r):.0f}-{max(r):.0f}]"
         print(f"{name:28s} {spread(rates['off']):>16s} {spread(rates['on']):>16s} {case['speedup']:8.2f}x "
               f"{100 * case['acceptance_rate']:8.1f}% {case['tokens_per_verify_step']:12.2f} "
-              f"{str(case['identical']):>10s} {steps['off']:>6d}/{steps['on']:<6d}")
+              f"{str(case['identical']):>10s} {steps['off']:>6d}/{steps['on']:<6d} "
+              f"{f'{idle_accepted}/{idle_drafts}':>14s}")
     # what a step of each size cost the speculating engine (moving averages of wall time): the
     # draft allocation weighs these
     costs = engines["on"].engine.step_costs()
@@ -165,11 +187,11 @@ def main(argv: list[str] | None = None) -> dict:
     # the modeled ceiling of the closed batches of 8 on this machine: what these step costs allow
     for name, case in results["cases"].items():
         if case["batch"] == 8 and any(t >= 8 for t in results["step_ms"]):
-            at_rate, d = speculation_ceiling(results["step_ms"], 8, case["acceptance_rate"], args.k)
+            at_rate, d = speculation_ceiling(results["step_ms"], 8, case["acceptance_rate_up_to_k"], args.k)
             every, d_all = speculation_ceiling(results["step_ms"], 8, 1.0, args.k)
             case["ceiling"], case["ceiling_all_accepted"] = at_rate, every
             print(f"ceiling for {name} from these step costs (all 8 requests decoding): "
-                  f"{at_rate:.2f}x at its {100 * case['acceptance_rate']:.0f}% acceptance (depth {d}), "
+                  f"{at_rate:.2f}x at its {100 * case['acceptance_rate_up_to_k']:.0f}% acceptance (depth {d}), "
                   f"{every:.2f}x with every draft accepted (depth {d_all}); measured {case['speedup']:.2f}x")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,26 +43,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default=None, help="local Hugging Face model dir (default: SmolLM2-135M-Instruct)")
     m.add_argument("--tiny", action="store_true", help="a random tiny Llama (2 layers, width 64): fast, same memory story")
     w = p.add_argument_group("workload (every request arrives at t=0; lengths uniform in [LO, HI])")
-    w.add_argument("--num-requests", type=int, default=40)
-    w.add_argument("--prompt-len", type=int, nargs=2, default=[32, 320], metavar=("LO", "HI"))
+    w.add_argument("--num-requests", type=int, default=40, help="requests in the workload")
+    w.add_argument("--prompt-len", type=int, nargs=2, default=[32, 320], metavar=("LO", "HI"),
+                   help="prompt tokens per request")
     w.add_argument("--output-len", type=int, nargs=2, default=[100, 200], metavar=("LO", "HI"),
                    help="tokens generated per request (EOS ignored)")
-    w.add_argument("--max-model-len", type=int, default=2048)
+    w.add_argument("--max-model-len", type=int, default=2048, help="prompt + output token limit (a dense slot's "
+                   "length)")
     w.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
     w.add_argument("--n", type=int, default=1, help="sequences per request (parallel sampling)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and tokens")
     k = p.add_argument_group("KV memory (the same budget for both backends)")
     b = k.add_mutually_exclusive_group()
     b.add_argument("--kv-budget-tokens", type=int, default=None,
-                   help="KV budget in tokens of KV (default 9000: 4 dense slots of 2048 and a remainder)")
+                   help="KV budget in tokens of KV (default: 9000, 4 dense slots of 2048 and a remainder)")
     b.add_argument("--kv-budget-mib", type=float, default=None, help="KV budget in MiB")
     k.add_argument("--block-size", type=int, default=16, help="paged block size")
     k.add_argument("--max-num-seqs", type=int, default=32,
-                   help="most requests running at once, both backends (default 32: on CPU a decode step is "
+                   help="most requests running at once, both backends (default: 32; on CPU a decode step is "
                         "compute-bound well before that)")
-    k.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    k.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the model's matrices (auto: as `pagedjax generate --dtype auto`)")
     p.add_argument("--out", default="results/compare_kv_cache", help="directory for JSON, markdown and PNGs")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

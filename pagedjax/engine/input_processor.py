@@ -9,6 +9,7 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, logits_width: int, model_name: str):
         """vocab_size: the model config's (prompt ids); logits_width: the sampled vocabulary
         (logit_bias and allowed_token_ids ids)."""
+        _lift_length_limit(tokenizer)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.logits_width = logits_width
@@ -36,3 +37,16 @@ class InputProcessor:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+
+NO_LENGTH_LIMIT = int(1e30)  # transformers' own "no limit" value (VERY_LARGE_INTEGER)
+
+
+def _lift_length_limit(tokenizer) -> None:
+    """The engine holds prompts to max_model_len itself and says so clearly (the scheduler's
+    "prompt has N tokens; max_model_len is M" error); a transformers tokenizer's own limit,
+    model_max_length, would only log "Token indices sequence length is longer than the
+    specified maximum sequence length" on encoding a longer prompt, before that error or for
+    a prompt that max_model_len allows. Nothing here truncates to it, so it is lifted."""
+    if isinstance(getattr(tokenizer, "model_max_length", None), int):
+        tokenizer.model_max_length = NO_LENGTH_LIMIT

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_SPECULATIVE_TOKENS = 16
+MAX_IDLE_SPECULATIVE_TOKENS = 64  # the most idle_speculative_tokens may be
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,13 @@ class SpeculativeConfig:
     k, "prompt_lookup_min": a, "prompt_lookup_max": b}, or a draft model, {"model": path,
     "num_speculative_tokens": k} (method "draft_model"; see draft_model.py). A draft model
     proposes up to k drafts a step, fewer or none while it costs more than its accepted
-    drafts save (`draft_depth`); "adaptive": False makes it always propose k."""
+    drafts save (`draft_depth`); "adaptive": False makes it always propose k.
+
+    Prompt lookup proposes up to "idle_speculative_tokens" drafts (default
+    MAX_SPECULATIVE_TOKENS, at least k): a step verifies up to k of a request's drafts as
+    the allocation weighs them against step costs, and more only in rows its token bucket
+    would pad anyway (when few requests remain: `allocate_drafts`' idle_caps); k turns
+    that off."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
@@ -20,6 +27,13 @@ class SpeculativeConfig:
     method: str = "ngram"
     model: str | None = None  # the draft model (method "draft_model")
     adaptive: bool = True  # draft model: the number of drafts follows their measured worth
+    # prompt lookup: drafts per request, beyond k, in rows the step's bucket pads anyway (None: k)
+    idle_speculative_tokens: int | None = None
+
+    @property
+    def proposal_depth(self) -> int:
+        """Drafts a proposer gives each request: k, or idle_speculative_tokens."""
+        return max(self.num_speculative_tokens, self.idle_speculative_tokens or 0)
 
     @classmethod
     def parse(cls, config) -> "SpeculativeConfig | None":
@@ -28,7 +42,8 @@ class SpeculativeConfig:
             return config
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive",
+                 "idle_speculative_tokens"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; this engine knows {sorted(known)}")
@@ -46,7 +61,7 @@ class SpeculativeConfig:
             model = config.get("model")
             if not isinstance(model, str) or not model:
                 raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft checkpoint's path")
-            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(config))
+            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max", "idle_speculative_tokens"} & set(config))
             if lookup:
                 raise ValueError(f"speculative_config: {lookup} apply to method 'ngram', not to a draft model")
             adaptive = config.get("adaptive", True)
@@ -64,7 +79,12 @@ class SpeculativeConfig:
         _check_positive("prompt_lookup_max", hi)
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-        return cls(k, lo, hi, "ngram")
+        idle = config.get("idle_speculative_tokens", max(k, MAX_SPECULATIVE_TOKENS))
+        _check_positive("idle_speculative_tokens", idle)
+        if not k <= idle <= MAX_IDLE_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: idle_speculative_tokens must be between num_speculative_tokens "
+                             f"({k}) and {MAX_IDLE_SPECULATIVE_TOKENS}, got {idle}")
+        return cls(k, lo, hi, "ngram", idle_speculative_tokens=idle)
 
 
 def _check_positive(name: str, v) -> None:

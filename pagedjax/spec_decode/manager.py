@@ -32,6 +32,9 @@ class SpecDecodeManager:
         self.num_draft_tokens = 0  # drafts verified, accepted, request-steps that verified
         self.num_accepted_draft_tokens = 0
         self.num_verify_steps = 0
+        # of those, drafts past the k-th of their request (idle rows: `allocate`), and accepted
+        self.num_idle_draft_tokens = 0
+        self.num_accepted_idle_draft_tokens = 0
         # the cost model: wall seconds of a step by T, of a draft model's proposal by depth
         self.step_costs = MeasuredCosts(float)
         self.draft_costs = MeasuredCosts(lambda depth: 0.0)
@@ -58,7 +61,8 @@ class SpecDecodeManager:
         if self.drafter is None:
             c = self.config
             for req in wanted:
-                req.draft_token_ids = ngram.propose(np.asarray(req.all_token_ids), c.num_speculative_tokens,
+                # up to idle_speculative_tokens: the drafts past k go only in rows a step pads anyway
+                req.draft_token_ids = ngram.propose(np.asarray(req.all_token_ids), c.proposal_depth,
                                                     c.prompt_lookup_min, c.prompt_lookup_max)
             return
         running = {id(req) for sched in schedulers for req in sched.running}
@@ -102,12 +106,18 @@ class SpecDecodeManager:
 
     def allocate(self, decode: list[Request], num_tokens: int, budget: int) -> list[int]:
         """Drafts each decoding request verifies this step (policy.allocate_drafts), within
-        its limits (max_tokens, max_model_len); the scheduler readies their blocks."""
-        caps = [max(0, min(len(r.draft_token_ids), self.max_model_len - r.num_computed_tokens - 1,
-                           r.params.max_tokens - len(r.output_token_ids) - 1)) for r in decode]
+        its limits (max_tokens, max_model_len); the scheduler readies their blocks. Up to k
+        drafts each are weighed against the step costs; the drafts a request has beyond k
+        (prompt lookup's idle_speculative_tokens) fill only the rows that the step's rung
+        would pad anyway."""
+        k = self.config.num_speculative_tokens
+        idle_caps = [max(0, min(len(r.draft_token_ids), self.max_model_len - r.num_computed_tokens - 1,
+                                r.params.max_tokens - len(r.output_token_ids) - 1)) for r in decode]
+        caps = [min(c, k) for c in idle_caps]
         rates = [acceptance_estimate(r.num_accepted_drafts, r.num_drafted) for r in decode]
         return allocate_drafts(caps, rates, num_tokens, self.buckets.token_buckets(), budget,
-                               self.buckets.max_draft_tokens, self.step_costs)
+                               self.buckets.max_draft_tokens, self.step_costs,
+                               idle_caps if idle_caps != caps else None)
 
     # -- after the step -------------------------------------------------------------------
     def emitted(self, result, out, i: int, row: int) -> list[int]:
@@ -126,6 +136,9 @@ class SpecDecodeManager:
             tokens.append(int(result.tokens[row + n]))
         self.num_draft_tokens += n
         self.num_accepted_draft_tokens += len(tokens) - 1
+        k = self.config.num_speculative_tokens
+        self.num_idle_draft_tokens += max(0, n - k)
+        self.num_accepted_idle_draft_tokens += max(0, len(tokens) - 1 - k)
         req = out.requests[i]
         req.num_drafted += n
         req.num_accepted_drafts += len(tokens) - 1

@@ -13,7 +13,7 @@ MAX_SAMPLE_AGE = 128  # measurements (of any size) after which a MeasuredCosts f
 
 
 def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs: list[int], max_tokens: int,
-                    max_drafts: int, cost) -> list[int]:
+                    max_drafts: int, cost, idle_caps: list[int] | None = None) -> list[int]:
     """How many drafts each decoding request verifies this step.
 
     caps [n]: drafts each request has (within its limits); rates [n]: its estimated chance
@@ -23,7 +23,14 @@ def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs
     goes to the request whose next one is most likely to be used. Each rung from the one the
     step needs anyway up to max_tokens is then filled with the best drafts that fit, and the
     rung with the most expected tokens per unit of step time wins (every rung is weighed:
-    step costs need not rise smoothly, a bigger rung can pay where the next one up does not)."""
+    step costs need not rise smoothly, a bigger rung can pay where the next one up does not).
+
+    idle_caps [n] (each >= caps[i]): the drafts each request has in all, the ones past caps
+    for rows that the winning rung would pad anyway: once every draft within caps fits, the
+    rung's idle rows take the next best drafts, up to idle_caps (deeper drafts when few
+    requests remain). They cost no step size of their own: the step runs at the rung it was
+    going to run at (a compiled shape), since the rung is chosen with caps alone; a step
+    with no idle rows (a full batch) gets what it got without them."""
     alloc = [0] * len(caps)
     first = next((r for r in rungs if r >= base_tokens), None)
     if first is None or not any(caps):
@@ -39,17 +46,32 @@ def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs
         values.append(values[-1] - neg)
         if j < caps[i]:
             heapq.heappush(heap, (neg * rates[i], i, j + 1))
-    best_j, best_rate = 0, -1.0
+    best_j, best_rate, best_rung = 0, -1.0, None
     for rung in (r for r in rungs if first <= r <= max_tokens):
         j = min(len(order), rung - base_tokens)
         rate = values[j] / cost(rung)
         if rate > best_rate * (1 + 1e-9):
-            best_j, best_rate = j, rate
+            best_j, best_rate, best_rung = j, rate, rung
         if j == len(order):  # every draft fits: bigger rungs only cost more
             break
     for i in order[:best_j]:
         alloc[i] += 1
+    if idle_caps is not None and best_rung is not None:
+        _fill_idle_rows(alloc, idle_caps, rates, min(best_rung - base_tokens, max_drafts) - best_j)
     return alloc
+
+
+def _fill_idle_rows(alloc: list[int], idle_caps: list[int], rates: list[float], room: int) -> None:
+    """Adds up to `room` drafts to `alloc` in place, best first (the j-th draft of request i
+    is worth rates[i]^j), none beyond idle_caps[i]."""
+    heap = [(-rates[i] ** (alloc[i] + 1), i) for i in range(len(alloc)) if idle_caps[i] > alloc[i]]
+    heapq.heapify(heap)
+    while heap and room > 0:
+        neg, i = heapq.heappop(heap)
+        alloc[i] += 1
+        room -= 1
+        if alloc[i] < idle_caps[i]:
+            heapq.heappush(heap, (neg * rates[i], i))
 
 
 def acceptance_estimate(num_accepted: int, num_drafted: int) -> float:

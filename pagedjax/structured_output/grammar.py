@@ -3,12 +3,25 @@
 A GrammarCompiler turns a StructuredOutputsParams into a compiled grammar once (LRU-cached by
 its key, safe to call from any thread); each constrained sequence holds a GrammarMatcher that
 writes the allowed-next-token bitmask before a step and advances by the sampled token after it.
+
+JSON schemas are compiled with two defaults (a schema's own keywords win):
+- whitespace: JSON_WHITESPACE, at most 32 blanks at each place JSON allows them (the schema's
+  "x-guidance" whitespace options replace it);
+- closed objects (closed_objects): an object schema that lists `properties` and says nothing
+  of other keys gets `additionalProperties: false`, as OpenAI's strict mode requires and vLLM's
+  default backend (xgrammar, strict mode) assumes (parts that an allOf or a $ref with other
+  keywords combine are left as written). The model then writes only the listed keys,
+  each at most once, in the schema's order. Duplicate keys remain possible only among keys a
+  schema leaves free (`additionalProperties: true` or a schema, `patternProperties`, an object
+  without `properties` such as json_object's): llguidance does not make free keys unique.
 """
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
+from urllib.parse import unquote
 
 import llguidance
 import llguidance.hf
@@ -40,6 +53,93 @@ def _short(message: str) -> str:
     return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " ..."
 
 
+# JSON-schema keywords whose values are subschemas (a dict, or a list / map of them)
+_ONE_SUBSCHEMA = ("additionalProperties", "items", "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_PARTS = ("allOf", "anyOf", "oneOf")
+_OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                    "maxProperties")
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_ANNOTATIONS = ("$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
+                "examples", "x-guidance")
+
+
+def _subschemas(node: dict):
+    for key in _ONE_SUBSCHEMA:
+        if isinstance(node.get(key), dict):
+            yield node[key]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            yield from (s for s in node[key] if isinstance(s, dict))
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            yield from (s for s in node[key].values() if isinstance(s, dict))
+
+
+def closed_objects(schema: dict) -> dict:
+    """A copy of `schema` in which every object schema that lists `properties` (and requires
+    none but them) without saying what other keys may be (no `additionalProperties`,
+    `patternProperties`) gets `additionalProperties: false`.
+
+    Parts of an object that others complete are left as written: the members of an `allOf`,
+    the `anyOf` / `oneOf` members of a schema with object keywords or a `$ref` of its own, the
+    target of a `$ref` that has sibling keywords, and (through local `$ref`s) what those
+    point to. Closing one of them would refuse the keys the other parts add."""
+    root = copy.deepcopy(schema)
+
+    def target(ref: object) -> dict | None:  # a local "#/..." JSON pointer's schema
+        if not isinstance(ref, str) or not ref.startswith("#") or (ref != "#" and not ref.startswith("#/")):
+            return None
+        node: object = root
+        for token in ref[2:].split("/") if ref != "#" else ():
+            token = unquote(token).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and token in node:
+                node = node[token]
+            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+                node = node[int(token)]
+            else:
+                return None
+        return node if isinstance(node, dict) else None
+
+    nodes, stack, seen = [], [root], set()
+    while stack:  # every subschema, once
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+            stack.extend(_subschemas(node))
+    combined: set[int] = set()  # ids of the schemas that other parts complete
+    todo: list[dict] = []
+    for node in nodes:
+        if isinstance(node.get("allOf"), list):
+            todo += node["allOf"]
+        has_object_keys = any(k in node for k in _OBJECT_KEYWORDS) or "$ref" in node
+        for key in ("anyOf", "oneOf"):
+            if has_object_keys and isinstance(node.get(key), list):
+                todo += node[key]
+        if "$ref" in node and any(k not in _ANNOTATIONS for k in node):
+            todo.append(target(node["$ref"]))
+    while todo:  # what a combined part points to or is made of is combined too
+        node = todo.pop()
+        if not isinstance(node, dict) or id(node) in combined:
+            continue
+        combined.add(id(node))
+        for key in _PARTS:
+            if isinstance(node.get(key), list):
+                todo += node[key]
+        if "$ref" in node:
+            todo.append(target(node["$ref"]))
+    for node in nodes:
+        props = node.get("properties")
+        required = node.get("required", [])
+        if (isinstance(props, dict) and id(node) not in combined
+                and not any(k in node for k in _OPEN_KEYWORDS + _PARTS + ("$ref",))
+                and isinstance(required, list) and all(r in props for r in required)):
+            node["additionalProperties"] = False
+    return root
+
+
 def _grammar(spec: StructuredOutputsParams) -> tuple[str, str]:
     """(what the user gave, in words; llguidance grammar text). Checks nothing beyond JSON syntax."""
     if spec.json is not None or spec.json_object:
@@ -51,6 +151,10 @@ def _grammar(spec: StructuredOutputsParams) -> tuple[str, str]:
                 raise StructuredOutputError(f"invalid JSON schema: not valid JSON ({e})") from None
         if not isinstance(schema, dict):
             raise StructuredOutputError("invalid JSON schema: it must be a JSON object")
+        try:
+            schema = closed_objects(schema)
+        except RecursionError:
+            raise StructuredOutputError("invalid JSON schema: nested too deeply") from None
         options = schema.get("x-guidance")
         own_whitespace = isinstance(options, dict) and {"whitespace_flexible", "whitespace_pattern"} & options.keys()
         defaults = None if own_whitespace else {"whitespace_pattern": JSON_WHITESPACE}

@@ -1,4 +1,6 @@
 """`pagedjax generate` as a user runs it."""
+import pytest
+
 from pagedjax.entrypoints.cli import main
 
 
@@ -9,12 +11,17 @@ def test_generate_streams_an_answer(default_model_path, capsys):
 
 
 def test_generate_rejects_bad_arguments_with_a_clear_message(capsys):
-    assert main(["generate", "hi", "--max-tokens", "0"]) == 2
-    assert "max_tokens may be 0 only with prompt_logprobs" in capsys.readouterr().err
+    import pytest
+
+    with pytest.raises(SystemExit) as e:  # a usage error, before anything loads
+        main(["generate", "hi", "--max-tokens", "0"])
+    assert e.value.code == 2
+    assert "--max-tokens may be 0 only with prompt_logprobs" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", "/nonexistent/dir"]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    assert main(["generate", "hi", "--max-num-seqs", "0"]) == 2  # not taken for "unset"
-    assert "max_num_seqs must be a positive integer, got 0" in capsys.readouterr().err
+    assert "pagedjax generate: error: model directory '/nonexistent/dir' does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--max-num-seqs", "0"])  # not taken for "unset"
+    assert "--max-num-seqs must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_speculative_config_flag_is_checked(capsys):
@@ -23,8 +30,10 @@ def test_speculative_config_flag_is_checked(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--speculative-config", "{not json"])
     assert "not valid JSON" in capsys.readouterr().err
-    assert main(["generate", "hi", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}']) == 2
-    assert "not supported" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'])
+    assert e.value.code == 2
+    assert "error: --speculative-config: method 'medusa' is not supported" in capsys.readouterr().err
 
 
 def test_cli_silences_transformers_torch_advice(monkeypatch):
@@ -83,3 +92,219 @@ def test_llm_signature_lists_every_engine_option():
     params = inspect.signature(LLM).parameters
     assert list(params) == [f.name for f in fields(EngineConfig)] + ["warmup"]
     assert all(params[f.name].default == f.default for f in fields(EngineConfig))
+
+
+# ---- issue 34: --version, defaults in every --help, errors naming the flag, prompt order ----------
+
+
+def test_version(capsys, monkeypatch):
+    import importlib.metadata
+
+    import pytest
+
+    import pagedjax
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"pagedjax {importlib.metadata.version('pagedjax')}\n"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert pagedjax.__version__ == "unknown"  # a source tree never installed
+
+
+def _subcommand_parsers():
+    """(name, parser) of `pagedjax` and every subcommand, nested ones included."""
+    import argparse
+
+    from pagedjax.entrypoints.cli import build_parser
+
+    todo, found = [("pagedjax", build_parser())], []
+    while todo:
+        name, parser = todo.pop()
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [(f"{name} {sub}", p) for sub, p in action.choices.items()]
+    return found
+
+
+def test_every_option_of_every_subcommand_shows_its_default():
+    """Every flag's help (but --help and --version) says its default, switches included;
+    walks the real parsers, so a flag added later without one fails here."""
+    import argparse
+
+    from pagedjax.entrypoints.cli import HelpFormatter
+
+    parsers = _subcommand_parsers()
+    assert {"pagedjax generate", "pagedjax serve", "pagedjax bench compare"} <= {n for n, _ in parsers}
+    missing = []
+    for name, parser in parsers:
+        formatter = parser._get_formatter()
+        assert isinstance(formatter, HelpFormatter), name
+        for action in parser._actions:
+            if (not action.option_strings or action.help is argparse.SUPPRESS
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            text = " ".join(formatter._format_action(action).split())
+            if "(default:" not in text:
+                missing.append(f"{name} {action.option_strings[-1]}: {text}")
+    assert not missing, "\n".join(missing)
+
+
+def test_generate_help_shows_the_sampling_defaults(capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    text = text[text.index("options:"):]  # past the usage lines
+    for flag, default in [("--max-tokens MAX_TOKENS", "128"), ("--temperature TEMPERATURE", "0.0"),
+                          ("--top-p TOP_P", "1.0"), ("--top-k TOP_K", "0"), ("--min-p MIN_P", "0.0"),
+                          ("--ignore-eos", "off"), ("--chat", "off"), ("--block-size BLOCK_SIZE", "16"),
+                          ("--enable-prefix-caching, --no-enable-prefix-caching", "on")]:
+        after = text[text.index(flag + " ") + len(flag):]
+        help_text, _, rest = after.partition("(default: ")
+        assert not re.search(r" --?[a-z]", help_text), (flag, help_text)  # the flag's own, not the next flag's
+        assert rest.startswith(default + ")"), (flag, after[:200])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "hi", "--max-tokens", "-1"], "--max-tokens must be an integer in [0, 2147483647], got -1"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    (["generate", "hi", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["generate", "hi", "--min-p", "1.5"], "--min-p must be in [0, 1], got 1.5"),
+    (["generate", "hi", "--stop", ""], "--stop must be a non-empty string"),
+    (["generate", "hi", "--block-size", "0"], "--block-size must be a positive integer, got 0"),
+    (["generate", "hi", "--block-size", "24"], "--block-size must be a power of two, got 24"),
+    (["generate", "hi", "--kv-cache-memory-gb", "-1"], "--kv-cache-memory-gb must be > 0, got -1.0"),
+    (["generate", "hi", "-tp", "0"], "--tensor-parallel-size must be a positive integer, got 0"),
+    (["generate", "hi", "--num-processes", "2"], "--num-processes > 1 needs --coordinator-address"),
+    (["serve", "--block-size", "0"], "--block-size must be a positive integer, got 0"),
+    (["serve", "--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be at least 16, got 8"),
+    (["serve", "--num-blocks", "-3"], "--num-blocks must be a positive integer, got -3"),
+])
+def test_a_bad_flag_value_is_a_usage_error_naming_the_flag(argv, message, capsys):
+    """Checked right after parsing (nothing loads): exit code 2, argparse's usage and
+    "error:" line, the flag's name rather than the Python field's, no traceback."""
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pagedjax " + argv[0])
+    assert f"pagedjax {argv[0]}: error: {message}" in err
+    field = message.split()[0].lstrip("-").replace("-", "_")  # the Python name, never bare in the error line
+    assert not re.search(rf"(?<![-\w]){field}(?!\w)", err.splitlines()[-1]) and "Traceback" not in err
+
+
+def test_flag_names_rewrites_whole_names_only():
+    from pagedjax.entrypoints.cli import engine_flags, flag_names
+
+    names = engine_flags()
+    assert (flag_names("kv_cache_dtype, kv_cache and kv_cache_memory_gb; not my_kv_cache or kv_caches", names)
+            == "--kv-cache-dtype, --kv-cache and --kv-cache-memory-gb; not my_kv_cache or kv_caches")
+    assert flag_names("max_model_len=300 exceeds", names) == "--max-model-len=300 exceeds"
+
+
+class _ScriptedEngine:
+    """Finishes its requests in the order given, one a step (stands in for LLMEngine)."""
+
+    def __init__(self, texts: dict[str, str], finish_order: list[str]):
+        self.texts, self.order = texts, list(finish_order)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.order)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        rid = self.order.pop(0)
+        running = [SimpleNamespace(request_id=r, finished=False, outputs=[SimpleNamespace(text="...")])
+                   for r in self.order]
+        done = SimpleNamespace(request_id=rid, finished=True, outputs=[SimpleNamespace(text=self.texts[rid])])
+        return running + [done]
+
+
+def test_generate_prints_outputs_in_prompt_order(capsys):
+    """Several prompts: each prompt's text in prompt order, whatever order they end in, each as
+    soon as those before it are out."""
+    from pagedjax.entrypoints.cli import _stream
+
+    texts = {str(i): f"answer {i}" for i in range(4)}
+    _stream(_ScriptedEngine(texts, ["2", "0", "3", "1"]), 4)
+    assert capsys.readouterr().out == "".join(f"--- [{i}] ---\nanswer {i}\n" for i in range(4))
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tiny_checkpoints, tmp_path_factory):
+    """The tiny random Llama with a real tokenizer whose model_max_length (16) is below the
+    engine's max_model_len, as an HF checkpoint directory."""
+    import shutil
+
+    from tiny_models import make_tokenizer
+
+    src, _ = tiny_checkpoints("llama")
+    path = tmp_path_factory.mktemp("tiny-llama-cli")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    tokenizer = make_tokenizer(384)
+    tokenizer.model_max_length = 16
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+TINY_FLAGS = ["--max-model-len", "64", "--block-size", "8", "--num-blocks", "32", "--max-num-batched-tokens", "32",
+              "--dtype", "float32", "--no-async-scheduling"]
+
+
+@pytest.fixture
+def transformers_warnings():
+    """The records transformers logs (its loggers do not propagate to caplog's)."""
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_generate_several_prompts_end_to_end_in_prompt_order(tiny_model_dir, capsys, transformers_warnings):
+    """On a tiny model: one block per prompt, in prompt order; a prompt longer than the
+    tokenizer's own limit (16 tokens) but within --max-model-len runs without transformers'
+    "Token indices sequence length" warning."""
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello", '{"id": 1, "value": null}']
+    assert main(["generate", *prompts, "--model", str(tiny_model_dir), "--max-tokens", "4", "--ignore-eos",
+                 *TINY_FLAGS]) == 0
+    captured = capsys.readouterr()
+    headers = [line for line in captured.out.splitlines() if line.startswith("--- [")]
+    assert headers == ["--- [0] ---", "--- [1] ---", "--- [2] ---"]
+    assert "Token indices sequence length" not in captured.err
+    assert not [r for r in transformers_warnings if "Token indices" in r.getMessage()]
+
+
+def test_generate_too_long_prompt_is_the_engines_error_only(tiny_model_dir, capsys, transformers_warnings):
+    assert main(["generate", "The quick brown fox jumps over the lazy dog. " * 10, "--model", str(tiny_model_dir),
+                 *TINY_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "pagedjax generate: error: prompt has" in err and "--max-model-len is 64" in err
+    assert "Token indices sequence length" not in err
+    assert not [r for r in transformers_warnings if "Token indices" in r.getMessage()]
+
+
+def test_serve_banner_of_a_real_engine(tiny_model_dir):
+    """The banner reads the dtype and KV pool size off a real LLMEngine."""
+    from pagedjax.engine.llm_engine import LLMEngine
+    from pagedjax.entrypoints.openai.api_server import engine_banner
+
+    engine = LLMEngine(str(tiny_model_dir), max_model_len=64, block_size=8, num_blocks=32, dtype="float32")
+    tokens = 32 * 8
+    gib = tokens * engine.kv_bytes_per_token / 2**30
+    assert engine_banner(engine) == f"{tiny_model_dir.name} (dtype float32, KV pool {tokens:,} tokens / {gib:.2f} GiB)"
+    assert engine_banner(engine, "tiny").startswith(f"{tiny_model_dir.name} as 'tiny' (dtype float32")

@@ -23,8 +23,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help())
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--host", default="127.0.0.1", help="bind address")
+    g.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDJAX_API_KEY; prefer the "
                         "variable, argv is visible to other users of the machine)")
@@ -32,13 +32,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--max-pending-requests", type=int, default=1024,
                    help="sequences (prompts x n) waiting for their first token before new requests get 429")
     g.add_argument("--max-request-bytes", type=_positive(int), default=4 * 1024 * 1024,
-                   help="largest request body accepted, in bytes (default 4 MiB; larger ones get 413)")
+                   help="largest request body accepted, in bytes (default: 4 MiB; larger ones get 413)")
     g.add_argument("--stream-send-timeout", type=_positive(float), default=30.0,
                    help="seconds a streaming client may take no data before its request is aborted")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
     g.add_argument("--no-warmup", action="store_true", help="do not compile the step buckets ahead (each compiles on first use)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="pagedjax's and uvicorn's log level")
     add_engine_arguments(parser)
     return parser
 
@@ -57,9 +58,24 @@ class _Server(uvicorn.Server):
     """uvicorn.Server that stops admitting at the first signal and does not re-raise the
     signal after its graceful shutdown, so the process exits 0."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: Any) -> None:
+    def __init__(self, config: uvicorn.Config, async_engine: Any, banner: str | None = None) -> None:
         super().__init__(config)
         self.async_engine = async_engine
+        self.banner = banner
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.banner:
+            logger.info("pagedjax serving %s at %s", self.banner, self.url())
+
+    def url(self) -> str:
+        """http://HOST:PORT with the port actually bound (--port 0: the one the system chose)."""
+        host, port = self.config.host, self.config.port
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets or ():
+                port = sock.getsockname()[1]
+                break
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.async_engine.stop_admitting()
@@ -67,11 +83,29 @@ class _Server(uvicorn.Server):
         getattr(self, "_captured_signals", []).clear()
 
 
+def engine_banner(engine: Any, served_model_name: str | None = None) -> str:
+    """"MODEL (dtype D, KV pool N tokens / X.XX GiB)" from what the engine reports; the parts
+    an engine does not report are left out."""
+    name = getattr(engine, "model_name", None) or served_model_name or "the model"
+    if served_model_name and served_model_name != name:
+        name = f"{name} as {served_model_name!r}"
+    details = []
+    dtype = getattr(getattr(engine, "model", None), "dtype", None)
+    if dtype is not None:
+        details.append(f"dtype {getattr(dtype, 'name', dtype)}")
+    kv_memory, per_token = getattr(engine, "kv_memory", None), getattr(engine, "kv_bytes_per_token", None)
+    if callable(kv_memory) and per_token:
+        tokens = kv_memory().capacity
+        details.append(f"KV pool {tokens:,} tokens / {tokens * per_token / 2**30:.2f} GiB")
+    return f"{name} ({', '.join(details)})" if details else name
+
+
 def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
           max_request_bytes: int = 4 * 1024 * 1024, send_timeout: float = 30.0) -> int:
     """Serve `async_engine` over HTTP until SIGTERM/SIGINT (exit code 0) or until the engine
-    fails (exit code 1, so that a supervisor restarts the server)."""
+    fails (exit code 1, so that a supervisor restarts the server). Logs one line when it
+    listens: the model, its dtype, the KV pool's size and the URL."""
     from pagedjax.entrypoints.openai.app import build_app
 
     warn_if_exposed(host, api_key)
@@ -79,7 +113,7 @@ def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key:
                     send_timeout=send_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=5)
-    server = _Server(config, async_engine)
+    server = _Server(config, async_engine, engine_banner(async_engine.engine, served_model_name))
 
     def engine_died() -> None:
         logger.error("the engine failed: the server stops (exit code 1)")
@@ -117,7 +151,7 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the real engine from parsed `serve` arguments and serve it."""
-    from pagedjax.entrypoints.cli import engine_kwargs, init_processes
+    from pagedjax.entrypoints.cli import engine_flags, engine_kwargs, flag_names, init_processes
     from pagedjax.engine.llm_engine import LLMEngine  # lazy: importing JAX and loading weights is slow
     from pagedjax.engine.async_engine import AsyncEngine
 
@@ -127,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
         init_processes(args)
         engine = LLMEngine(args.model, stream_text=True, **engine_kwargs(args))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        logger.error("cannot start the engine: %s", exc)
+        logger.error("cannot start the engine: %s", flag_names(str(exc), engine_flags()))
         return 2
     if not args.no_warmup and hasattr(engine, "warmup"):
         logger.info("compiling the smallest step bucket now and the others in the background "
@@ -150,9 +184,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_serve_arguments(argparse.ArgumentParser(prog="pagedjax serve",
-                                                         description="OpenAI-compatible server"))
-    return run_serve(parser.parse_args(argv))
+    from pagedjax.entrypoints.cli import HelpFormatter, check_arguments
+
+    parser = add_serve_arguments(argparse.ArgumentParser(prog="pagedjax serve", description="OpenAI-compatible server",
+                                                         formatter_class=HelpFormatter))
+    args = parser.parse_args(argv)
+    check_arguments(args)
+    return run_serve(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,8 +12,15 @@
   `parameters` schema and becomes the arguments of one call; finish_reason is the engine's
   ("stop": OpenAI's and vLLM's answer for a named tool_choice).
 - `"required"`: the output is constrained to a JSON array of {"name", "parameters"} objects
-  (one of the tools each; at most one when `parallel_tool_calls` is false), parsed into the
-  calls; finish_reason "tool_calls" (vLLM's rule).
+  (one of the tools each), at least one and at most MAX_PARALLEL_CALLS (exactly one when
+  `parallel_tool_calls` is false), parsed into the calls; finish_reason "tool_calls" (vLLM's
+  rule).
+- The grammar of required and named calls is bounded so that a request without max_tokens
+  ends: compact JSON (TOOL_JSON_FORMAT: `", "` and `": "` separators, no other whitespace), the
+  array closes by MAX_PARALLEL_CALLS, and arguments objects follow OpenAI's strict semantics
+  (an object that lists `properties` takes no other key unless its schema says so; the
+  listed keys come at most once each, in the schema's order: structured_output/grammar.py's
+  closed_objects). Once the JSON is complete only EOS is allowed, so the model stops there.
 - `"auto"` (the default when tools are given): free generation, then the model's own call
   format is parsed, detected from its chat template: Hermes / Qwen2.5 / Qwen3 style
   `<tool_call>{"name", "arguments"}</tool_call>` blocks, or Llama 3.x JSON
@@ -22,14 +29,20 @@
   A template with no known format: the output is plain content (use "required" or a named
   function to get calls from any model). finish_reason "tool_calls" when calls were found.
   With `parallel_tool_calls: false` only the first call is kept.
-- A call truncated by max_tokens keeps the engine's finish_reason ("length").
+- An output cut by max_tokens keeps the engine's finish_reason ("length") and is never
+  presented as content: the calls completed before the cut are whole, and the call being
+  written is the last one, with its name and its arguments text as far as it got (as a rule
+  not valid JSON: what OpenAI sends for a cut call; one cut before its name is complete is
+  dropped). So a client checks finish_reason: "length" means the last call's arguments may
+  be cut short; "tool_calls" (required) or "stop" (named) means every call is whole and its
+  arguments parse and validate against the tool's schema.
 
 Streaming and non-streaming run the same per-choice parser (non-streaming feeds it the whole
 text at once and merges its deltas), so the openai SDK's stream accumulation gives exactly
 the non-streaming message. Deltas: a named call's header first, then its argument text as it
-is generated; a required call whole as soon as its array element closes; for auto, content
-until a call may be starting (a prefix of the opening tag, or trailing blanks, is held back),
-then the calls when the output ends.
+is generated; a required call whole as soon as its array element closes (a cut one when the
+output ends); for auto, content until a call may be starting (a prefix of the opening tag, or
+trailing blanks, is held back), then the calls when the output ends.
 
 The parsers and the models' call formats: tool_parsers.py.
 """
@@ -49,6 +62,16 @@ from pagedjax.entrypoints.openai.tool_parsers import (Delta, _AutoParser, _CallF
 
 
 # ---- the request ------------------------------------------------------------------------
+
+# How required / named calls are written (llguidance's "x-guidance" options): json.dumps' own
+# style, `{"name": "f", "parameters": {"a": 1}}`, and no other whitespace anywhere, so a model
+# can neither pad its calls with blank runs nor spend tokens on layout.
+TOOL_JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Calls in one "required" answer with parallel calls. A bound, not a target: the grammar lets
+# the model close the array after any call, and capable models do. It is not the number of
+# tools, since parallel calls of one tool are the usual case (OpenAI's example: the weather in
+# three cities); 8 compact calls of typical arguments are a few hundred tokens at most.
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(slots=True)
@@ -128,7 +151,7 @@ def plan_tools(req: ChatCompletionRequest, tokenizer: Any) -> ToolPlan | None:
         raise bad_request(f"`tool_choice` names the function `{name}`, which is not in `tools` "
                           f"(it has: {', '.join(names)})", "tool_choice.function.name")
     params = rendered[names.index(name)]["function"].get("parameters")
-    return ToolPlan("named", rendered, name=name, parallel=parallel, schema=_object_schema(params))
+    return ToolPlan("named", rendered, name=name, parallel=parallel, schema=named_schema(params))
 
 
 def tool_constraint(plan: ToolPlan | None, spec: StructuredOutputsParams | None,
@@ -149,10 +172,23 @@ def _object_schema(parameters: dict | None) -> dict:
     return copy.deepcopy(parameters) if parameters else {"type": "object", "properties": {}}
 
 
+def _formatted(schema: dict) -> dict:
+    """`schema` with TOOL_JSON_FORMAT as its llguidance options (its own "x-guidance" keys win)."""
+    options = schema.get("x-guidance")
+    schema["x-guidance"] = {**TOOL_JSON_FORMAT, **(options if isinstance(options, dict) else {})}
+    return schema
+
+
+def named_schema(parameters: dict | None) -> dict:
+    """The schema of a named function's output: its arguments object, compact."""
+    return _formatted(_object_schema(parameters))
+
+
 def required_schema(tools: list[dict], parallel: bool) -> dict:
     """vLLM's schema for tool_choice "required": [{"name": <a tool>, "parameters": <its
-    arguments>}, ...], at least one (exactly one without parallel calls). The tools' `$defs`
-    move to the root, where their `#/$defs/...` references point."""
+    arguments>}, ...], compact (TOOL_JSON_FORMAT), at least one call and at most
+    MAX_PARALLEL_CALLS (exactly one without parallel calls). The tools' `$defs` move to the
+    root, where their `#/$defs/...` references point."""
     defs: dict[str, Any] = {}
     items = []
     for i, t in enumerate(tools):
@@ -169,12 +205,11 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
                       "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                      "parameters": params},
                       "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if not parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+                              "items": {"anyOf": items}}
     if defs:
         schema["$defs"] = defs
-    return schema
+    return _formatted(schema)
 
 
 def template_messages(messages: list[ChatMessage], tokenizer: Any = None, plan: ToolPlan | None = None) -> list[dict]:

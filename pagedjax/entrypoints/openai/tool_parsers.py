@@ -54,8 +54,13 @@ class _NamedParser(_Parser):
 
 class _RequiredParser(_Parser):
     """The output is a JSON array of {"name", "parameters"}; each element becomes a call as
-    soon as it closes. Anything else (an engine that did not constrain the output, a
-    truncated array) ends as plain content when no call came out of it."""
+    soon as it closes. An output cut inside an element (max_tokens) ends with that call as far
+    as it got: its name and its arguments text so far, as a rule not valid JSON (what OpenAI
+    sends for a cut call, and what a named call streams); cut before its name is complete, it
+    is dropped. Anything else (an engine that did not constrain the output) ends as plain
+    content when no call came out of it."""
+
+    HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
 
     def __init__(self, names: set[str], parallel: bool) -> None:
         self.names, self.parallel = names, parallel
@@ -107,9 +112,28 @@ class _RequiredParser(_Parser):
         return _call_delta(self.calls - 1, item["name"], json.dumps(params, ensure_ascii=False))
 
     def finish(self, reason: str) -> Delta:
-        ok = self.state == "end" and not self.failed and not self.buf[self.pos:].strip()
+        rest = self.buf[self.pos:].strip()
+        ok = self.state == "end" and not self.failed and not rest
         self.reason = "tool_calls" if ok and reason == "stop" else reason
+        if self.state in ("first", "item") and not self.failed and (not rest or rest[0] == "{"):  # cut short
+            cut = self._cut_call()
+            return {"tool_calls": [cut]} if cut is not None else {}
         return {"content": self.buf} if self.calls == 0 and self.buf else {}
+
+    def _cut_call(self) -> dict | None:
+        """The call an output cut inside an array element was writing (None: its name is not
+        complete yet)."""
+        m = self.HEAD.match(self.buf, self.pos)
+        if m is None or (self.calls and not self.parallel):
+            return None
+        try:
+            name = json.loads(m.group(1))
+        except ValueError:
+            return None
+        if name not in self.names:
+            return None
+        self.calls += 1
+        return _call_delta(self.calls - 1, name, self.buf[m.end():].rstrip())
 
 
 class _AutoParser(_Parser):

@@ -134,6 +134,34 @@ def test_required_and_named_tool_calls_parse_and_validate(default_server):
     assert metric(server.url, "pagedjax:kv_blocks_free") == 128
 
 
+def test_required_and_named_without_max_tokens_end_with_their_calls(default_server):
+    """Issue 34: docs/design/server.md's tool example (tool_choice "required", no max_tokens)
+    ran to the context limit on the default model; the bounded grammar ends it with its calls,
+    whose arguments hold only the schema's keys. The same for a response_format schema."""
+    client = default_server.client
+    msgs = [{"role": "user", "content": "Give me a JSON object with a name."}]
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for extra, reason in (({"tool_choice": "required"}, "tool_calls"),
+                          ({"tool_choice": "required", "parallel_tool_calls": False}, "tool_calls"),
+                          ({"tool_choice": named}, "stop")):
+        r = client.chat.completions.create(model="fake-model", messages=msgs, tools=tools, temperature=0, **extra)
+        c = r.choices[0]
+        assert (c.finish_reason, c.message.content) == (reason, None), extra
+        assert 0 < r.usage.completion_tokens < 128, extra
+        assert c.message.tool_calls and len(c.message.tool_calls) <= (1 if extra != {"tool_choice": "required"} else 8)
+        for call in c.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), {**params, "additionalProperties": False})
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}}, "required": ["name"]}
+    r = client.chat.completions.create(model="fake-model", messages=msgs, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 128
+    jsonschema.validate(json.loads(r.choices[0].message.content), {**schema, "additionalProperties": False})
+    assert metric(default_server.url, "pagedjax:kv_blocks_free") == 128
+
+
 def test_penalties_over_http_equal_the_python_api(server, model):
     from pagedjax import LLM, SamplingParams
 

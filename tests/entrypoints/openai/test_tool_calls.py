@@ -12,7 +12,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from pagedjax.sampling_params import StructuredOutputsParams
-from pagedjax.entrypoints.openai.tool_calls import ToolPlan, required_schema
+from pagedjax.entrypoints.openai.tool_calls import MAX_PARALLEL_CALLS, TOOL_JSON_FORMAT, ToolPlan, required_schema
 from pagedjax.entrypoints.openai.tool_parsers import HermesFormat, Llama3JsonFormat
 
 from .conftest import MODEL, openai_client, running_server
@@ -265,10 +265,11 @@ REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"
 def test_required(tserver, tclient):
     r, s, chunks = ask(tserver, tclient, REQUIRED, tool_choice="required")
     spec = tserver.engine.last_constraint()
-    assert spec.json == {"type": "array", "minItems": 1, "items": {"anyOf": [
+    assert spec.json == {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS, "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                           "parameters": t["function"]["parameters"]},
-         "required": ["name", "parameters"], "additionalProperties": False} for t in TOOLS]}}
+         "required": ["name", "parameters"], "additionalProperties": False} for t in TOOLS]},
+        "x-guidance": TOOL_JSON_FORMAT}
     assert accepts(tserver.engine, spec, REQUIRED)
     assert not accepts(tserver.engine, spec, '[{"name": "nope", "parameters": {}}]')
     assert not accepts(tserver.engine, spec, '[{"name": "get_time", "parameters": {}}]')  # tz is required
@@ -305,7 +306,8 @@ def test_named(tserver, tclient):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r, s, chunks = ask(tserver, tclient, '{"city": "Paris", "unit": "f"}', tool_choice=choice)
     spec = tserver.engine.last_constraint()
-    assert spec.json == WEATHER and accepts(tserver.engine, spec, '{"city": "Paris", "unit": "f"}')
+    assert spec.json == {**WEATHER, "x-guidance": TOOL_JSON_FORMAT}
+    assert accepts(tserver.engine, spec, '{"city": "Paris", "unit": "f"}')
     c = r.choices[0]
     assert (c.message.content, c.finish_reason) == (None, "stop")  # OpenAI and vLLM: "stop" for a named function
     assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [
@@ -324,7 +326,7 @@ def test_named_n2_truncated_and_no_parameters(tserver, tclient):
     same(r, s)
     tools = TOOLS + [{"type": "function", "function": {"name": "ping"}}]
     r, s, _ = ask(tserver, tclient, "{}", tools=tools, tool_choice={"type": "function", "function": {"name": "ping"}})
-    assert tserver.engine.last_constraint().json == {"type": "object", "properties": {}}
+    assert tserver.engine.last_constraint().json == {"type": "object", "properties": {}, "x-guidance": TOOL_JSON_FORMAT}
     assert calls(r.choices[0].message) == [("ping", {})]
 
 
