@@ -37,15 +37,10 @@ def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs
         return alloc
     # the drafts best first, as far as the largest rung (or max_drafts) allows: request ids
     room = min(max_drafts, max([r for r in rungs if r <= max_tokens] + [first]) - base_tokens)
-    heap = [(-rates[i], i, 1) for i in range(len(caps)) if caps[i] > 0]  # (-value of its j-th draft, i, j)
-    heapq.heapify(heap)
     order, values = [], [float(len(caps))]  # values[j]: expected decode tokens with the best j drafts
-    while heap and len(order) < room:
-        neg, i, j = heapq.heappop(heap)
+    for i, value in _best_drafts([0] * len(caps), caps, rates, room):
         order.append(i)
-        values.append(values[-1] - neg)
-        if j < caps[i]:
-            heapq.heappush(heap, (neg * rates[i], i, j + 1))
+        values.append(values[-1] + value)
     best_j, best_rate, best_rung = 0, -1.0, None
     for rung in (r for r in rungs if first <= r <= max_tokens):
         j = min(len(order), rung - base_tokens)
@@ -57,21 +52,22 @@ def allocate_drafts(caps: list[int], rates: list[float], base_tokens: int, rungs
     for i in order[:best_j]:
         alloc[i] += 1
     if idle_caps is not None and best_rung is not None:
-        _fill_idle_rows(alloc, idle_caps, rates, min(best_rung - base_tokens, max_drafts) - best_j)
+        for i, _ in _best_drafts(alloc, idle_caps, rates, min(best_rung - base_tokens, max_drafts) - best_j):
+            alloc[i] += 1
     return alloc
 
 
-def _fill_idle_rows(alloc: list[int], idle_caps: list[int], rates: list[float], room: int) -> None:
-    """Adds up to `room` drafts to `alloc` in place, best first (the j-th draft of request i
-    is worth rates[i]^j), none beyond idle_caps[i]."""
-    heap = [(-rates[i] ** (alloc[i] + 1), i) for i in range(len(alloc)) if idle_caps[i] > alloc[i]]
-    heapq.heapify(heap)
+def _best_drafts(start: list[int], caps: list[int], rates: list[float], room: int):
+    """Up to `room` more drafts, best first, as (request i, value): request i's j-th draft is
+    worth rates[i]^j; it already has start[i] drafts and gets none beyond caps[i]."""
+    heap = [(-rates[i] ** (start[i] + 1), i, start[i] + 1) for i in range(len(caps)) if caps[i] > start[i]]
+    heapq.heapify(heap)  # (-value of its j-th draft, i, j)
     while heap and room > 0:
-        neg, i = heapq.heappop(heap)
-        alloc[i] += 1
+        neg, i, j = heapq.heappop(heap)
+        yield i, -neg
         room -= 1
-        if alloc[i] < idle_caps[i]:
-            heapq.heappush(heap, (neg * rates[i], i))
+        if j < caps[i]:
+            heapq.heappush(heap, (neg * rates[i], i, j + 1))
 
 
 def acceptance_estimate(num_accepted: int, num_drafted: int) -> float:
