@@ -7,8 +7,12 @@ The engine runs with `output_deltas`, so each step posts only what is new; a str
 consumer has not taken its last update yet merges the new one into it, so a stream holds at
 most one pending update however slowly its client reads. The thread steps while the engine
 has work that can progress and sleeps on a condition variable otherwise. `stats()` returns
-the snapshot the thread takes after every step, so /metrics never calls into the engine
-from another thread.
+the snapshot the thread takes after every step and every batch of commands, so /metrics
+never calls into the engine from another thread (except `compile_stats()`, read live: the
+background warm-up changes it while the engine idles). The request counts a client can check
+against its own streams (in flight, pending, the oldest age) are kept on the event loop: a
+request stays in flight until its consumer has taken the final output, even when the engine
+finished it steps earlier.
 
 A step that raises may leave the device state poisoned (the KV cache is donated to the
 step), so it is fatal: every stream and every queued command ends with EngineDeadError,
@@ -22,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -60,6 +65,9 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine-thread side
         self._beam_searches: set[str] = set()  # the ids in _streams that are beam searches
         self._stats: dict = {}
+        # loop side: admitted streams; a stream leaves when its consumer has seen the end (or
+        # aborted it); one its handler dropped is garbage-collected out of the set
+        self._open_streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -95,21 +103,22 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30.0)
 
     def num_in_flight(self) -> int:
+        """Requests the engine thread still serves (their final output not yet posted)."""
         return len(self._streams)
 
     def stats(self) -> dict:
-        """The engine's stats as of the last step, plus the server-side counts."""
-        stats = dict(self._stats)
-        oldest = stats.pop("oldest_arrival_time", None)
-        return {**stats, "num_requests_pending": self.num_pending,
-                "oldest_request_age_seconds": 0.0 if oldest is None else time.monotonic() - oldest}
+        """The engine's stats as of the last step, its compile state now, and the loop-side
+        counts: requests in flight until their client has the end, pending sequences and the
+        age of the oldest request in flight."""
+        live = [s for s in self._open_streams if not s.finished]
+        compile_stats = getattr(self.engine, "compile_stats", None)
+        return {**self._stats, **(compile_stats() if compile_stats is not None else {}),
+                "num_requests_in_flight": len(live), "num_requests_pending": self.num_pending,
+                "oldest_request_age_seconds": time.monotonic() - min(s.arrival_time for s in live) if live else 0.0}
 
     def _snapshot(self) -> None:
         """Engine thread: publish the stats for the event loop (one atomic assignment)."""
-        # streams are added in arrival order (commands run FIFO): the first one is the oldest
-        oldest = next(iter(self._streams.values())).arrival_time if self._streams else None
-        self._stats = {**self.engine.stats(), "num_requests_in_flight": len(self._streams),
-                       "oldest_arrival_time": oldest}
+        self._stats = self.engine.stats()
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -150,6 +159,7 @@ class AsyncEngine:
         except BaseException:
             self._mark_started(stream)
             raise
+        self._open_streams.add(stream)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -230,6 +240,8 @@ class AsyncEngine:
                 if stop:
                     self._abort_all(ShuttingDownError("the server shut down"))
                     return
+                if commands:  # an admitted request counts as waiting before its first step
+                    self._snapshot()
                 stalled, outputs = False, []
                 if self.engine.has_unfinished_requests():
                     steps = self.engine.num_steps

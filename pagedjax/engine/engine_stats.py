@@ -16,14 +16,11 @@ def stats(engine) -> dict:
     mem = kv_memory(engine)
     ranks = [rank_stats(p, s) for p, s in zip(engine.pools, engine.schedulers)]
     totals = {k: sum(r[k] for r in ranks) for k in ranks[0]}
-    runner, cfg = engine.runner, engine.config
+    cfg = engine.config
     return {
         **totals,
         "block_size": engine.pool.block_size,
-        "num_compilations": compile_counter.num_compilations(),
-        "num_compiled_shapes": len(runner.compiled_shapes),
-        "num_step_shapes": len(engine.buckets.token_buckets()),
-        "warmup_done": runner.warmup_done and len(runner.compiled_shapes) == len(engine.buckets.token_buckets()),
+        **compile_stats(engine),
         "num_steps": engine.num_steps,
         "num_generated_tokens": engine.num_generated_tokens,
         "num_computed_prompt_tokens": engine.num_computed_prompt_tokens,
@@ -37,6 +34,19 @@ def stats(engine) -> dict:
         "weight_bytes_per_device": engine.weight_bytes_per_device,
         "kv_pool_bytes_per_device": engine.kv_pool_bytes_per_device,
         "data_parallel_ranks": ranks,
+    }
+
+
+def compile_stats(engine) -> dict:
+    """The compile counts and warm-up state. Safe to read from any thread (the background
+    warm-up changes them while the engine idles, so the server reads them live)."""
+    runner, shapes = engine.runner, len(engine.buckets.token_buckets())
+    compiled = runner.num_compiled_shapes
+    return {
+        "num_compilations": compile_counter.num_compilations(),
+        "num_compiled_shapes": compiled,
+        "num_step_shapes": shapes,
+        "warmup_done": runner.warmup_done and compiled == shapes,
     }
 
 

@@ -341,6 +341,10 @@ class LLMEngine:
         """Totals over the data-parallel ranks; "data_parallel_ranks" has each rank's own."""
         return engine_stats.stats(self)
 
+    def compile_stats(self) -> dict:
+        """The compile counts and warm-up state of stats(), cheap and safe from any thread."""
+        return engine_stats.compile_stats(self)
+
     def kv_memory(self):
         """KV memory accounting (core.kv_memory) summed over the data-parallel ranks."""
         return engine_stats.kv_memory(self)

@@ -19,6 +19,11 @@ class CompiledSteps:
         """T of every compiled step, smallest first."""
         return sorted(self._executables)
 
+    @property
+    def num_compiled_shapes(self) -> int:
+        """len(compiled_shapes), safe to read while the warm-up thread adds shapes."""
+        return len(self._executables)
+
     def compile_bucket(self, t: int):
         """The forward executable of the step of T = t tokens, compiled now (with the
         sampler of its S) if it is not yet."""

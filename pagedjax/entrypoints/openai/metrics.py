@@ -33,7 +33,9 @@ _GAUGE_HELP = {
     "num_requests_running": "Requests in the running batch.",
     "num_requests_waiting": "Requests queued in the engine scheduler.",
     "num_requests_pending": "Sequences admitted by the server that have no output yet.",
-    "num_requests_in_flight": "Requests the server is serving (admitted, final output not yet produced).",
+    "num_requests_in_flight": "Requests admitted whose client has not yet received the end (a request "
+                              "the engine finished stays here until its stream is delivered).",
+    "warmup_done": "1 once every executable the warm-up compiles is ready (0 while it compiles).",
     "oldest_request_age_seconds": "Age of the oldest request in flight (a stuck request shows here).",
     "spec_acceptance_rate": "Accepted / proposed speculative draft tokens.",
     "spec_mean_tokens_per_step": "Tokens a request gets from a step that verifies drafts (1 without speculation).",
@@ -57,7 +59,7 @@ class _StatsCollector:
     def collect(self):
         stats = self.stats_fn()
         for key, value in sorted(stats.items()):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not isinstance(value, (int, float)):  # bools are ints: exported as 0/1
                 continue
             if key in _COUNTER_STATS:
                 metric = CounterMetricFamily(_metric_name(key), _COUNTER_STATS[key])
