@@ -34,6 +34,7 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.manager import make_spec_decode
 from pagedjax.structured_output.manager import StructuredOutputManager
 from pagedjax.worker import compile_counter
+from pagedjax.worker.compile_ahead import CompileAhead
 from pagedjax.worker.model_runner import ModelRunner
 
 
@@ -81,6 +82,7 @@ class LLMEngine:
                  PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl, mesh=self.mesh))
         self.runner = ModelRunner(self.model, self.buckets, cache, -(-cfg.max_model_len // plan.block_size),
                                   plan.kv_dtype, self.mesh)
+        self.compile_ahead = CompileAhead(self.runner, self.buckets, cfg.max_model_len)
         self.spec = make_spec_decode(cfg, self.buckets, plan, draft)  # None: no speculative decoding
         for sched in self.schedulers:
             sched.draft_policy = self.spec
@@ -232,6 +234,8 @@ class LLMEngine:
 
     def _schedule(self, hold: frozenset = frozenset()) -> list | None:
         """One SchedulerOutput per data rank for the next step (None: nothing to run)."""
+        if not self.runner.warmup_done:  # compile the rungs the queued work wants, if that pays
+            self.compile_ahead(self.schedulers)
         budget = self.runner.ready_tokens() or self.buckets.max_num_batched_tokens
         if self.spec is not None:
             self.spec.propose(self.schedulers)
@@ -242,8 +246,10 @@ class LLMEngine:
         if all(out is None for out in outs):
             self.runner.allow_warmup(True)
             return None
-        # a background warm-up waits while every step fits the buckets it has compiled so far
-        self.runner.allow_warmup(any(out is not None and sum(out.q_lens) >= budget for out in outs))
+        # a background warm-up waits while every step fits the buckets compiled so far, or the
+        # queued work wants no larger one than the budget (compile_ahead compiled it)
+        self.runner.allow_warmup(budget < self.compile_ahead.wanted_tokens and
+                                 any(out is not None and sum(out.q_lens) >= budget for out in outs))
         return outs
 
     def _dispatch(self, outs, prev=None):

@@ -5,6 +5,8 @@ scheduler the largest step it may build without compiling. ModelRunner mixes thi
 jitted functions, specs and caches it reads are the runner's."""
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,7 @@ class CompiledSteps:
             return exe
         with self._compile_lock:
             if t not in self._executables:
+                began = time.perf_counter()
                 (step_buf, step_layout), (sample_buf, sample_layout) = self.idle_buffers(t)
                 spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._by_rank)
                 lowered = self._step.lower(*self._specs, spec(step_buf), spec(self._prev_tokens(None, host=True)),
@@ -50,6 +53,7 @@ class CompiledSteps:
                 self._executables[t] = lowered.compile()
                 hidden = lowered.out_info[2]
                 self._hidden_specs[t] = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self._rows_by_rank)
+                self.compile_seconds[t] = time.perf_counter() - began
             return self._executables[t]
 
     def prompt_executable(self, t: int):
@@ -66,21 +70,47 @@ class CompiledSteps:
                                                                           nxt).compile()
             return self._prompt_executables[t]
 
-    def prime_bucket(self, t: int) -> None:
+    def prime_bucket(self, t: int, timed: bool = False) -> None:
         """Compiles the step of T = t and runs it once on inputs that write and keep nothing
         (no KV slot, no penalty row, nothing read back): on XLA:CPU an executable's first run
         costs 0.1-0.5 s more than the next ones (one-time loading), which a request would
-        otherwise pay, and which would mislead the measured step costs (speculative drafts)."""
+        otherwise pay, and which would mislead the measured step costs (speculative drafts).
+        timed: run it a second time and keep that time in step_seconds[t] (compile_ahead's
+        estimate before any request ran)."""
         if t in self._primed:
             return
         step = self.compile_bucket(t)
         inputs, sampling = self._to_device(t, *self._idle_inputs(t)[:2])
         s = self.buckets.num_rows(t)
-        with self._state_lock:
-            self.kv, logits, _ = step(self._weights, self.kv, inputs, self._prev_tokens(None))
-            self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
-        jax.block_until_ready(out.tokens)
+        for run in range(2 if timed else 1):
+            began = time.perf_counter()
+            with self._state_lock:
+                self.kv, logits, _ = step(self._weights, self.kv, inputs, self._prev_tokens(None))
+                self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
+            jax.block_until_ready(out.tokens)
+            if run:
+                self.step_seconds[t] = time.perf_counter() - began
         self._primed.add(t)
+
+    def compile_ahead(self, t: int) -> None:
+        """Compiles the step of T = t now, out of the warm-up's order, for work queued now
+        (worker/compile_ahead.py); steps may use it at once (its first run loads it)."""
+        self.compile_bucket(t)
+        self._ahead.add(t)
+
+    def usable_rungs(self) -> list[int]:
+        """The T buckets a step may use while a background warm-up runs, smallest first:
+        those that ran once and those compiled ahead."""
+        return sorted(self._primed | self._ahead)
+
+    def step_rung(self, num_tokens: int) -> int:
+        """T of the step of num_tokens tokens: the smallest rung holding it, or while a
+        background warm-up runs the smallest usable one (never a compile on the request path)."""
+        if not self.warmup_done:
+            for t in self.usable_rungs():
+                if t >= num_tokens:
+                    return t
+        return self.buckets.token_bucket(num_tokens)
 
     def idle_buffers(self, t: int):
         """((StepInputs buffer, layout), (SamplingInputs buffer, layout)) of a step of T = t
@@ -100,17 +130,13 @@ class CompiledSteps:
         self.penalties = penalties.load_slot(self.penalties, slot, ids, is_prompt, np.bool_(False), bias_ids, bias_vals)
 
     def ready_tokens(self) -> int | None:
-        """While a background warm-up runs: the largest T such that every bucket up to it
-        is compiled and has run once. None otherwise (no limit: a missing bucket compiles on
-        first use)."""
+        """While a background warm-up runs: the largest usable T (a step of fewer tokens
+        runs on the smallest usable rung that holds it, `step_rung`). None otherwise (no
+        limit: a missing bucket compiles on first use)."""
         if self.warmup_done:
             return None
-        ready = None
-        for t in self.buckets.token_buckets():
-            if t not in self._primed:
-                break
-            ready = t
-        return ready
+        rungs = self.usable_rungs()
+        return rungs[-1] if rungs else None
 
     def _warmup_jobs(self) -> list[tuple]:
         """Every compile of a warm-up, in order, after the fixed-shape helpers (compiled here):
@@ -134,8 +160,8 @@ class CompiledSteps:
         thread compiles only while `allow_warmup` lets it (the engine pauses it while requests
         run in buckets already compiled: on a few cores a compile slows every step beside it)."""
         jobs = self._warmup_jobs()
-        for job, t in jobs[:first]:  # the smallest step shapes
-            job(t)
+        for job, t in jobs[:first]:  # the smallest step shapes, timed (compile_ahead's estimates)
+            job(t, timed=True)
         self.background_warmup.start(jobs[first:])
 
     def allow_warmup(self, allowed: bool) -> None:

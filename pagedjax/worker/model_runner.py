@@ -95,6 +95,9 @@ class ModelRunner(CompiledSteps):
         self._prompt_executables: dict[int, object] = {}  # T bucket -> compiled prompt logprobs
         self._hidden_specs: dict[int, jax.ShapeDtypeStruct] = {}  # T bucket -> the step's hidden output
         self._primed: set[int] = set()  # T buckets that have run once (the warm-up's prime_bucket, or a step)
+        self._ahead: set[int] = set()  # T buckets compiled ahead of the warm-up for queued work (compile_ahead)
+        self.compile_seconds: dict[int, float] = {}  # T bucket -> seconds its compile took
+        self.step_seconds: dict[int, float] = {}  # T bucket -> seconds of its latest timed step
         self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
         self._step_layouts: dict[int, host_buffer.BufferLayout] = {}  # T -> its StepInputs buffer's layout
         self._sample_layouts: dict[int, host_buffer.BufferLayout] = {}  # R -> its SamplingInputs buffer's layout
@@ -103,6 +106,7 @@ class ModelRunner(CompiledSteps):
         self.background_warmup = BackgroundWarmup()
         self.input_batch = InputBatch(buckets, self.block_size, max_blocks_per_seq, cache.num_blocks, self._penalty_slot)
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
+        self._last_fetch_end = 0.0  # time.perf_counter() when the last step's result was read
 
     def _forward(self, weights, kv, inputs: StepInputs, prev_tokens):
         """-> (kv, logits [dp * S, V] of each sequence's last token, hidden [dp * T, E] for
@@ -218,7 +222,7 @@ class ModelRunner(CompiledSteps):
         fill_masks(bitmask [dp * S, W] int32 all ones, S): writes the token masks of the
         constrained rows; called while the device runs the forward pass."""
         began = time.perf_counter()
-        t, inputs, sampling, copies = self.prepare(outs)
+        t, inputs, sampling, copies = self.prepare(outs, self.step_rung(max(sum(o.q_lens) for o in outs if o is not None)))
         first_run = t not in self._primed
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
@@ -257,7 +261,11 @@ class ModelRunner(CompiledSteps):
         result = _Result(**{k: to_host(getattr(pending.out, k)) for k in pending.wanted})
         if pending.prompt is not None:
             result.prompt = jax.tree.map(to_host, pending.prompt)
-        self.last_wait_s = time.perf_counter() - wait  # host blocked on the device
+        end = time.perf_counter()
+        self.last_wait_s = end - wait  # host blocked on the device
+        if not pending.first_run:  # from when the device could start it (the step before it ended)
+            self.step_seconds[pending.t] = end - max(pending.began, self._last_fetch_end)
+        self._last_fetch_end = end
         return result
 
 
