@@ -92,22 +92,12 @@ class CompiledSteps:
                 self.step_seconds[t] = time.perf_counter() - began
         self._primed.add(t)
 
-    def compile_ahead(self, t: int) -> None:
-        """Compiles the step of T = t now, out of the warm-up's order, for work queued now
-        (worker/compile_ahead.py); steps may use it at once (its first run loads it)."""
-        self.compile_bucket(t)
-        self._ahead.add(t)
-
-    def usable_rungs(self) -> list[int]:
-        """The T buckets a step may use while a background warm-up runs, smallest first:
-        those that ran once and those compiled ahead."""
-        return sorted(self._primed | self._ahead)
-
     def step_rung(self, num_tokens: int) -> int:
         """T of the step of num_tokens tokens: the smallest rung holding it, or while a
-        background warm-up runs the smallest usable one (never a compile on the request path)."""
+        background warm-up runs the smallest compiled one (never a compile on the request
+        path; a rung compiled ahead of the warm-up, worker/compile_ahead.py, serves at once)."""
         if not self.warmup_done:
-            for t in self.usable_rungs():
+            for t in self.compiled_shapes:
                 if t >= num_tokens:
                     return t
         return self.buckets.token_bucket(num_tokens)
@@ -130,13 +120,12 @@ class CompiledSteps:
         self.penalties = penalties.load_slot(self.penalties, slot, ids, is_prompt, np.bool_(False), bias_ids, bias_vals)
 
     def ready_tokens(self) -> int | None:
-        """While a background warm-up runs: the largest usable T (a step of fewer tokens
-        runs on the smallest usable rung that holds it, `step_rung`). None otherwise (no
+        """While a background warm-up runs: the largest compiled T (a step of fewer tokens
+        runs on the smallest compiled rung that holds it, `step_rung`). None otherwise (no
         limit: a missing bucket compiles on first use)."""
         if self.warmup_done:
             return None
-        rungs = self.usable_rungs()
-        return rungs[-1] if rungs else None
+        return max(self._executables, default=None)
 
     def _warmup_jobs(self) -> list[tuple]:
         """Every compile of a warm-up, in order, after the fixed-shape helpers (compiled here):

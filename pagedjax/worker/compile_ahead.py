@@ -93,7 +93,7 @@ class CompileAhead:
 
     def __call__(self, schedulers) -> list[int]:
         """Compiles the rungs worth compiling for the queued work now; returns them."""
-        rungs = self.runner.usable_rungs()
+        rungs = self.runner.compiled_shapes
         measured = self.runner.step_seconds
         if not rungs or not measured:
             return []
@@ -108,5 +108,5 @@ class CompileAhead:
         if chosen:
             self.runner.allow_warmup(False)  # the warm-up thread would compete for the cores
             for t in chosen:
-                self.runner.compile_ahead(t)
+                self.runner.compile_bucket(t)  # steps use it at once (its first run loads it)
         return chosen

@@ -31,19 +31,23 @@ class StepInputs:
 class InputBatch:
     """Builds the numpy inputs of each step for one runner's buckets and KV cache."""
 
-    def __init__(self, buckets: Buckets, block_size: int, max_blocks_per_seq: int, num_blocks: int, penalty_slot):
+    def __init__(self, buckets: Buckets, block_size: int, max_blocks_per_seq: int, num_blocks: int, penalty_slot,
+                 step_rung=None):
         """penalty_slot(rank, req) -> the request's penalty slot on its rank (loaded before
-        the sampler runs when new)."""
+        the sampler runs when new); step_rung(num_tokens) -> T of a step of that many tokens
+        (default: the smallest rung holding it; the runner's keeps to compiled rungs while a
+        background warm-up runs)."""
         self.buckets = buckets
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.num_blocks = num_blocks  # a copy-on-write entry with dst = num_blocks is padding
         self.penalty_slot = penalty_slot
+        self.step_rung = step_rung or buckets.token_bucket
 
     def step_shape(self, outs: list[SchedulerOutput | None]) -> tuple[int, int]:
-        """(T, S) of the step running `outs` (one entry per data rank, None: idle): the bucket
-        of the busiest rank; every rank gets T token and S sequence rows."""
-        t = self.buckets.token_bucket(max(sum(out.q_lens) for out in outs if out is not None))
+        """(T, S) of the step running `outs` (one entry per data rank, None: idle): the rung
+        of the busiest rank (`step_rung`); every rank gets T token and S sequence rows."""
+        t = self.step_rung(max(sum(out.q_lens) for out in outs if out is not None))
         return t, self.buckets.num_seqs(t)
 
     def prepare(self, outs: list[SchedulerOutput | None], t: int | None = None):

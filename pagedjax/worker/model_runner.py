@@ -95,7 +95,6 @@ class ModelRunner(CompiledSteps):
         self._prompt_executables: dict[int, object] = {}  # T bucket -> compiled prompt logprobs
         self._hidden_specs: dict[int, jax.ShapeDtypeStruct] = {}  # T bucket -> the step's hidden output
         self._primed: set[int] = set()  # T buckets that have run once (the warm-up's prime_bucket, or a step)
-        self._ahead: set[int] = set()  # T buckets compiled ahead of the warm-up for queued work (compile_ahead)
         self.compile_seconds: dict[int, float] = {}  # T bucket -> seconds its compile took
         self.step_seconds: dict[int, float] = {}  # T bucket -> seconds of its latest timed step
         self._samplers: dict[int, object] = {}  # R (sampled rows) -> compiled sampler
@@ -104,7 +103,8 @@ class ModelRunner(CompiledSteps):
         self._compile_lock = threading.Lock()
         self._state_lock = threading.Lock()  # a dispatch and a warm-up's first run replace kv / penalties one at a time
         self.background_warmup = BackgroundWarmup()
-        self.input_batch = InputBatch(buckets, self.block_size, max_blocks_per_seq, cache.num_blocks, self._penalty_slot)
+        self.input_batch = InputBatch(buckets, self.block_size, max_blocks_per_seq, cache.num_blocks, self._penalty_slot,
+                                      self.step_rung)
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
         self._last_fetch_end = 0.0  # time.perf_counter() when the last step's result was read
 
@@ -222,7 +222,7 @@ class ModelRunner(CompiledSteps):
         fill_masks(bitmask [dp * S, W] int32 all ones, S): writes the token masks of the
         constrained rows; called while the device runs the forward pass."""
         began = time.perf_counter()
-        t, inputs, sampling, copies = self.prepare(outs, self.step_rung(max(sum(o.q_lens) for o in outs if o is not None)))
+        t, inputs, sampling, copies = self.prepare(outs)
         first_run = t not in self._primed
         step = self.compile_bucket(t)
         s = self.buckets.num_rows(t)
