@@ -14,10 +14,17 @@ Zen 2/3, older Intel), for bf16 weights (widened as read, x rounded to bf16 as a
 float32 weights on any such CPU: decode-sized M (AVX2_MAX_ROWS), where XLA:CPU's dot
 ran several times slower than the weights stream in. `matmul(x, w)` picks the path for w's
 dtype; `supported(m, i, o, dtype)` says whether one serves a shape.
+`matmul_int8(x, w_q, w_scale)` (cpu_matmul_int8.cc, AVX512-VNNI) serves int8 weights (per
+output channel, symmetric: w ~ w_q * w_scale[:, None]) at decode-sized M (INT8_MAX_ROWS): W8A8,
+each row of x quantized on entry (x_scale = max|x[m]| / 127, x_q = round(x / x_scale), both
+divisions as multiplications by the reciprocal), the integer dot on vpdpbusd (u8 x s8), then
+both scales; bit for bit `matmul_int8_reference`. `matmul_quantized(x, w_q, w_scale)` picks the
+path for w_q's dtype (int8 only; `supported(m, i, o, jnp.int8)`).
 Needs a C++ compiler (built at first use, pallas_kernels/native_build.py).
 PAGEDJAX_NATIVE_MATMUL=0 turns the kernels off, PAGEDJAX_AMX=0 the AMX path.
 
     y = matmul(jnp.ones((16, 576)), w)   # w: [1536, 576] bfloat16 or float32 -> y [16, 1536]
+    y = matmul_quantized(jnp.ones((16, 576)), w_q, w_scale)   # w_q [1536, 576] int8, w_scale [1536]
 """
 from __future__ import annotations
 
@@ -44,6 +51,9 @@ AVX2_MAX_ROWS = {"bfloat16": 64, "float32": 48}
 MAX_ROWS = 32  # AVX512-BF16 path; larger M: XLA's dot (both are compute-bound there; XLA tiles it better)
 AMX_MAX_ROWS = 64  # what `supported` offers the AMX path; larger M: XLA's dot, which uses AMX too and
 #                    tiles prompt-sized shapes better (scripts/bench_matmul.py: even at ~96 rows)
+INT8_SOURCE = Path(__file__).with_name("cpu_matmul_int8.cc")
+_INT8_TARGET, _INT8_SYMBOL = "pagedjax_matmul_int8", "MatmulInt8"
+INT8_MAX_ROWS = 32  # int8 path (AVX512-VNNI); larger M: the caller's own (dequantized) dot
 HEAD_MAX_ROWS = 32  # AMX / AVX512-BF16 path on a wide vocab head: from ~48 rows XLA's dot (AMX too) is faster
 log = logging.getLogger(__name__)
 
@@ -74,6 +84,11 @@ def _avx2_lib() -> ctypes.CDLL | None:
     return _load(_AVX2_SOURCE, _AVX2_TARGETS.values(), {"avx2", "fma"}, "AVX2")
 
 
+@functools.cache
+def _int8_lib() -> ctypes.CDLL | None:
+    return _load(INT8_SOURCE, [(_INT8_TARGET, _INT8_SYMBOL)], {"avx512_vnni", "avx512bw"}, "int8")
+
+
 def available() -> bool:
     """True when the AVX512-BF16 kernel is built and registered with XLA (one build per process)."""
     return _bf16_lib() is not None
@@ -82,6 +97,11 @@ def available() -> bool:
 def avx2_available() -> bool:
     """True when the AVX2 kernel is built and registered (a CPU with AVX2 and FMA)."""
     return _avx2_lib() is not None
+
+
+def int8_available() -> bool:
+    """True when the int8 kernel is built and registered (a CPU with AVX512-VNNI and -BW)."""
+    return _int8_lib() is not None
 
 
 @functools.cache
@@ -96,9 +116,12 @@ def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
     """A kernel serves x [m, i] . w [o, i]^T, w in `dtype`, here (CPU backend, kernel built).
     bf16 with AVX512-BF16: i % 32 == 0, and with AMX o % 16 == 0 and m <= AMX_MAX_ROWS, else
     m <= MAX_ROWS and o % 4 == 0. Otherwise (float32 always) the AVX2 path: m at most
-    AVX2_MAX_ROWS[dtype] and i % 8 == 0."""
+    AVX2_MAX_ROWS[dtype] and i % 8 == 0. int8 (w_q for `matmul_quantized`): m <= INT8_MAX_ROWS,
+    i % 64 == 0, any o. Other dtypes (float8 ...): none."""
     if m <= 0 or jax.default_backend() != "cpu":
         return False
+    if jnp.dtype(dtype) == jnp.int8:
+        return m <= INT8_MAX_ROWS and i % 64 == 0 and int8_available()
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
         return False
     if jnp.dtype(dtype) == jnp.float32 or not available():
@@ -111,8 +134,11 @@ def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
 
 
 def target(dtype) -> str | None:
-    """The custom-call target that `matmul` runs for weights of `dtype` here (None: XLA's dot)."""
+    """The custom-call target that `matmul` (int8: `matmul_quantized`) runs for weights of
+    `dtype` here (None: XLA's dot)."""
     dtype = jnp.dtype(dtype)
+    if dtype == jnp.int8:
+        return _INT8_TARGET if int8_available() else None
     if dtype == jnp.bfloat16 and available():
         return _TARGET
     if dtype.name in _AVX2_TARGETS and avx2_available():
@@ -121,8 +147,10 @@ def target(dtype) -> str | None:
 
 
 def max_rows(dtype) -> int:
-    """The most rows `matmul` takes for weights of `dtype` here (0: none)."""
+    """The most rows `matmul` (int8: `matmul_quantized`) takes for weights of `dtype` here (0: none)."""
     name = target(dtype)
+    if name == _INT8_TARGET:
+        return INT8_MAX_ROWS
     if name == _TARGET:
         return AMX_MAX_ROWS if amx_available() else MAX_ROWS
     return AVX2_MAX_ROWS[jnp.dtype(dtype).name] if name else 0
@@ -175,6 +203,48 @@ def matmul(x, w):
     if jnp.dtype(w.dtype) == jnp.bfloat16 and available():
         return matmul_bf16(x, w)
     return matmul_avx2(x, w)
+
+
+def matmul_int8(x, w_q, w_scale):
+    """x [M, I] float32 (or bf16), w_q [O, I] int8, w_scale [O] float32 -> [M, O] float32
+    ~ x @ (w_q * w_scale[:, None]).T, as `matmul_int8_reference` computes it (x quantized per
+    row); I % 64 == 0, any M (`supported` offers M <= INT8_MAX_ROWS) and O."""
+    if (x.ndim != 2 or w_q.ndim != 2 or w_scale.ndim != 1 or x.shape[1] != w_q.shape[1]
+            or w_scale.shape[0] != w_q.shape[0]):
+        raise ValueError(f"matmul_int8: x [M, I], w_q [O, I] and w_scale [O], got {x.shape}, {w_q.shape}, "
+                         f"{w_scale.shape}")
+    if jnp.dtype(w_q.dtype) != jnp.int8 or not jnp.issubdtype(x.dtype, jnp.floating) or not jnp.issubdtype(
+            w_scale.dtype, jnp.floating):
+        raise ValueError(f"matmul_int8: x float, w_q int8 and w_scale float, got {x.dtype}, {w_q.dtype}, "
+                         f"{w_scale.dtype}")
+    if x.shape[1] % 64:
+        raise ValueError(f"matmul_int8: I must be a multiple of 64, got {x.shape[1]}")
+    if not int8_available():
+        raise RuntimeError("matmul_int8 needs a CPU with AVX512-VNNI and a C++ compiler (see int8_available())")
+    call = jax.ffi.ffi_call(_INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w_q, w_scale.astype(jnp.float32))
+
+
+def matmul_quantized(x, w_q, w_scale):
+    """x [M, I] @ (w_q [O, I] * w_scale [O, None])^T -> [M, O] float32 on the native path that
+    serves w_q's dtype here (int8: `matmul_int8`; check `supported(m, i, o, w_q.dtype)` first)."""
+    if jnp.dtype(w_q.dtype) != jnp.int8:
+        raise ValueError(f"matmul_quantized: no native path for {w_q.dtype} weights (int8 only)")
+    return matmul_int8(x, w_q, w_scale)
+
+
+def matmul_int8_reference(x, w_q, w_scale):
+    """What matmul_int8 computes, in jnp: x [M, I] quantized per row (symmetric, 127 steps; an
+    all-zero row gives zeros), the int8 dot summed in int32, then both scales."""
+    x = x.astype(jnp.float32)
+    # the divisions as multiplications by reciprocals, as XLA compiles `/ 127` and `x / x_scale`
+    # anyway (written out so that the kernel can do the same, bit for bit)
+    x_scale = jnp.max(jnp.abs(x), axis=1) * jnp.float32(1 / 127)  # [M]
+    inv = 1 / jnp.where(x_scale > 0, x_scale, 1)  # [M]
+    x_q = jnp.where(x_scale[:, None] > 0, jnp.clip(jnp.round(x * inv[:, None]), -127, 127), 0).astype(jnp.int8)
+    acc = jnp.einsum("mi,oi->mo", x_q, w_q, preferred_element_type=jnp.int32)  # [M, O]
+    return acc.astype(jnp.float32) * x_scale[:, None] * w_scale.astype(jnp.float32)[None, :]
 
 
 def matmul_bf16_reference(x, w):

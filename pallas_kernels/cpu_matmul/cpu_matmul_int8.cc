@@ -1,0 +1,191 @@
+// int8-weight matmul for decode-sized batches on the CPU backend, called through the XLA FFI:
+//   x [M, I] f32, w_q [O, I] int8 (the model's [out, in] layout), w_scale [O] f32
+//   ->  y [M, O] f32 ~ x . (w_q * w_scale[:, None])^T.
+// W8A8: each row of x is quantized on entry, symmetric per row (x_scale[m] = max|x[m]| / 127,
+// x_q = round(x / x_scale) in [-127, 127], rounding half to even; both divisions as
+// multiplications by the reciprocal, as XLA compiles them in the reference; an all-zero row
+// has scale 0 and gives zeros), the integer dot runs on vpdpbusd (u8 x s8 -> s32, four products a lane),
+// then y[m, o] = float(acc[m, o]) * x_scale[m] * w_scale[o]: the same arithmetic as
+// matmul_int8_reference, whose integer sums are exact, so the two agree bit for bit.
+// vpdpbusd takes one unsigned operand: x goes in as x_q + 128 (u8, 1 .. 255) and the kernel
+// subtracts 128 * sum_i w_q[o, i], which it sums itself in the same pass over w (one more
+// vpdpbusd of each weight vector against a vector of ones, in a task's first row tile only).
+// I a multiple of 64; any O, any M (the Python side offers M <= INT8_MAX_ROWS); the Python side
+// checks too.
+//
+// Tasks own blocks of kBlock output features; each tile of kOuts weight rows (in L1) meets
+// every tile of up to kRows rows of x (x_u8 is M x I bytes, in L1 / L2), kRows x kOuts
+// 16-lane s32 accumulators, summed by one tree of shuffles at the end. Half the weight bytes
+// of bf16 and twice the products per instruction of vdpbf16ps (scripts/bench_matmul.py
+// --dtype int8).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "parallel_for.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRows = 4;    // x rows per tile (at most)
+constexpr int64_t kOuts = 4;    // weight rows per tile
+constexpr int64_t kBlock = 64;  // output features per task (a multiple of kOuts)
+
+// The kRows * kOuts = 16 horizontal sums of a[r][j] in one vector, lane 4 r + j (rows past
+// R are left as zero vectors by the caller): a tree of adds over shuffles.
+inline __m512i SumEach(const __m512i a[kRows][kOuts]) {
+  __m512i t[8], u[4];
+  for (int k = 0; k < 8; ++k) {  // pairs (2k, 2k + 1): per 128-bit lane [x02, y02, x13, y13]
+    const __m512i x = a[(2 * k) / kOuts][(2 * k) % kOuts], y = a[(2 * k + 1) / kOuts][(2 * k + 1) % kOuts];
+    t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+  }
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of accumulators 4k .. 4k + 3
+    const __m512 p = _mm512_castsi512_ps(t[2 * k]), q = _mm512_castsi512_ps(t[2 * k + 1]);
+    u[k] = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(p, q, 0x44)),
+                            _mm512_castps_si512(_mm512_shuffle_ps(p, q, 0xEE)));
+  }
+  const __m512i v0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i v1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, 0x88), _mm512_shuffle_i32x4(v0, v1, 0xDD));
+}
+
+// Four lanes' sums of a[j] (j < kOuts): lane j of the result.
+inline __m128i SumFour(const __m512i a[kOuts]) {
+  __m512i z[kRows][kOuts];
+  for (int64_t j = 0; j < kOuts; ++j) {
+    z[0][j] = a[j];
+    for (int64_t r = 1; r < kRows; ++r) z[r][j] = _mm512_setzero_si512();
+  }
+  return _mm512_castsi512_si128(SumEach(z));
+}
+
+// y[m0 .. m0 + R, o0 .. o0 + kOuts] from the u8 rows xu [M, I] and w [O, I]. kSum: also sum
+// the weight rows (into wsum[kOuts], s32), for the first row tile of a weight tile; later
+// tiles reuse them.
+template <int R, bool kSum>
+inline void Tile(const uint8_t* xu, const int8_t* w, int64_t in, int64_t m0, int64_t o0, int64_t out,
+                 const float* x_scale, const float* w_scale, int32_t* wsum, float* y) {
+  __m512i acc[kRows][kOuts], sum[kOuts];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_si512();
+  for (auto& s : sum) s = _mm512_setzero_si512();
+  const __m512i ones = _mm512_set1_epi8(1);
+  const int8_t* wr = w + o0 * in;
+  const uint8_t* xr = xu + m0 * in;
+  for (int64_t c = 0; c < in; c += 64) {
+    __m512i wv[kOuts];
+    for (int64_t j = 0; j < kOuts; ++j) wv[j] = _mm512_loadu_si512(wr + j * in + c);
+    if (kSum)
+      for (int64_t j = 0; j < kOuts; ++j) sum[j] = _mm512_dpbusd_epi32(sum[j], ones, wv[j]);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(xr + r * in + c);
+      for (int64_t j = 0; j < kOuts; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
+    }
+  }
+  if (kSum) _mm_storeu_si128(reinterpret_cast<__m128i*>(wsum), SumFour(sum));
+  // lane 4 r + j: sum_i (x_q + 128) w_q  ->  minus 128 sum_i w_q  ->  f32, scaled
+  const __m512i bias = _mm512_slli_epi32(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wsum))), 7);
+  const __m512i dots = _mm512_sub_epi32(SumEach(acc), bias);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, _mm512_cvtepi32_ps(dots));
+  for (int64_t r = 0; r < R; ++r) {
+    const __m128 v = _mm_mul_ps(_mm_mul_ps(_mm_load_ps(lanes + 4 * r), _mm_set1_ps(x_scale[m0 + r])),
+                                _mm_loadu_ps(w_scale + o0));
+    _mm_storeu_ps(y + (m0 + r) * out + o0, v);
+  }
+}
+
+template <bool kSum>
+inline void TileRows(int64_t rows, const uint8_t* xu, const int8_t* w, int64_t in, int64_t m0, int64_t o0,
+                     int64_t out, const float* xs, const float* ws, int32_t* wsum, float* y) {
+  switch (rows) {
+    case 1: return Tile<1, kSum>(xu, w, in, m0, o0, out, xs, ws, wsum, y);
+    case 2: return Tile<2, kSum>(xu, w, in, m0, o0, out, xs, ws, wsum, y);
+    case 3: return Tile<3, kSum>(xu, w, in, m0, o0, out, xs, ws, wsum, y);
+    default: return Tile<4, kSum>(xu, w, in, m0, o0, out, xs, ws, wsum, y);
+  }
+}
+
+// The same for the last O % kOuts outputs, one at a time (scalar; O is rarely not a multiple of 4).
+void TailOutput(const uint8_t* xu, const int8_t* w, int64_t m, int64_t in, int64_t o, int64_t out,
+                const float* xs, const float* ws, float* y) {
+  const int8_t* wr = w + o * in;
+  int32_t wsum = 0;
+  for (int64_t i = 0; i < in; ++i) wsum += wr[i];
+  for (int64_t r = 0; r < m; ++r) {
+    int32_t acc = 0;
+    for (int64_t i = 0; i < in; ++i) acc += int32_t(xu[r * in + i]) * wr[i];
+    y[r * out + o] = float(acc - 128 * wsum) * xs[r] * ws[o];
+  }
+}
+
+// x [m, in] f32 -> x_q + 128 as u8 [m, in], and x_scale [m].
+void QuantizeX(const float* x, int64_t m, int64_t in, uint8_t* xu, float* xs) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * in;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(xr + i), abs_mask));
+    const float scale = _mm512_reduce_max_ps(mx) * (1.0f / 127.0f);
+    xs[r] = scale;
+    if (scale == 0.0f) {  // an all-zero row: x_q = 0
+      std::memset(xu + r * in, 128, in);
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i off = _mm512_set1_epi32(128);
+    for (int64_t i = 0; i < in; i += 16) {
+      // x * (1 / scale), rounded half to even (the default MXCSR mode, as jnp.round), clipped
+      const __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv), lo), hi);
+      const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), off);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xu + r * in + i), _mm512_cvtepi32_epi8(u));
+    }
+  }
+}
+
+ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto sd = w_scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 1 || xd[1] != wd[1] || sd[0] != wd[0] || wd[1] % 64 != 0)
+    return ffi::Error::InvalidArgument("cpu int8 matmul: x [M, I], w_q [O, I], w_scale [O] with I % 64 == 0");
+  const int64_t m = xd[0], in = xd[1], out = wd[0];
+  if (m == 0 || out == 0) return ffi::Error::Success();
+  std::vector<uint8_t> xu(m * in);
+  std::vector<float> xs(m);
+  QuantizeX(x.typed_data(), m, in, xu.data(), xs.data());
+  const int8_t* wp = w.typed_data();
+  const float* ws = w_scale.typed_data();
+  float* yp = y->typed_data();
+  const int64_t out_tiles = out / kOuts * kOuts;
+  const int64_t tasks = (out_tiles + kBlock - 1) / kBlock;
+  pagedjax::ParallelFor(pool, tasks, [&](int64_t t) {
+    const int64_t o_end = std::min(out_tiles, (t + 1) * kBlock);
+    alignas(16) int32_t wsum[kOuts];
+    for (int64_t o0 = t * kBlock; o0 < o_end; o0 += kOuts) {
+      TileRows<true>(std::min(kRows, m), xu.data(), wp, in, 0, o0, out, xs.data(), ws, wsum, yp);
+      for (int64_t m0 = kRows; m0 < m; m0 += kRows)
+        TileRows<false>(std::min(kRows, m - m0), xu.data(), wp, in, m0, o0, out, xs.data(), ws, wsum, yp);
+    }
+  });
+  for (int64_t o = out_tiles; o < out; ++o) TailOutput(xu.data(), wp, m, in, o, out, xs.data(), ws, yp);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulInt8, MatmulInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, I]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w_q [O, I]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_scale [O]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, O]
