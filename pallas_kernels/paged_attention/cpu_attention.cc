@@ -2,10 +2,14 @@
 //
 // Packed (ragged) layout, the contract of packed_paged_attention (packed.py):
 //   q [T, H, D] f32 (the query tokens of all sequences, laid end to end),
-//   k_pages / v_pages [Hkv, NB, BS, D] f32 or bf16, block_tables [S, MB] i32, kv_lens [S] i32,
-//   q_starts [S] i32, q_lens [S] i32  ->  out [T, H, D] f32.
-// bf16 pages are widened to f32 as they are read (a 16-bit shift); all arithmetic is f32.
-// Two handlers: PagedAttentionF32 (f32 pages) and PagedAttentionBF16 (bf16 pages).
+//   k_pages / v_pages [Hkv, NB, BS, D] f32, bf16, int8 or f8e4m3fn, block_tables [S, MB] i32,
+//   kv_lens [S] i32, q_starts [S] i32, q_lens [S] i32  ->  out [T, H, D] f32;
+//   int8 / f8e4m3fn pages come with k_scales / v_scales [Hkv, NB, BS] f16 (one per token and
+//   kv head, kv_quant.py): a key is k_pages[h, b, t, :] * k_scales[h, b, t].
+// bf16 pages are widened to f32 as they are read (a 16-bit shift), quantized ones widened and
+// multiplied by their token's scale as they are read (no dequantized copy of the pool); all
+// arithmetic is f32. Handlers: PagedAttentionF32, PagedAttentionBF16, PagedAttentionInt8 and
+// PagedAttentionFP8 (the last two take the scale buffers after the pages).
 // Sequence s owns query tokens [q_starts[s], q_starts[s] + q_lens[s]); its query j sits at
 // position kv_lens[s] - q_lens[s] + j and attends causally to keys 0..that position (and
 // < kv_lens[s]). Tokens no sequence owns, and sequences with no key, give zeros. (The padded
@@ -22,7 +26,7 @@
 // no -ffast-math: with GCC 12 it links crtfastmath.o, which turns on flush-to-zero for the
 // whole process).
 #include <algorithm>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -52,6 +56,48 @@ inline float Widen(uint16_t x) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// An f8e4m3fn page element (its bits); int8 pages are int8_t. Quantized elements are widened
+// to a "raw" f32 and multiplied by a per-token factor (RawFactor x the token's f16 scale): int8
+// raw is the integer; f8e4m3fn raw is the value / 256: its sign, exponent field and mantissa
+// placed in an f16's (bias 15 for 7) and converted in hardware, subnormals included, with no
+// f32 denormal on the way. raw x (256 x scale) rounds once, as value x scale does: the same f32.
+struct Fp8E4M3 { uint8_t bits; };
+template <typename P>
+constexpr bool kQuantized = std::is_same_v<P, int8_t> || std::is_same_v<P, Fp8E4M3>;
+template <typename P>
+constexpr float RawFactor = std::is_same_v<P, Fp8E4M3> ? 256.f : 1.f;
+
+inline float Widen(int8_t x) { return static_cast<float>(x); }
+inline float Widen(Fp8E4M3 x) {  // the raw value: e4m3fn / 256 (exact); 0x7F / 0xFF: NaN
+  const int e = (x.bits >> 3) & 15, m = x.bits & 7;
+  float f;
+  if ((x.bits & 0x7F) == 0x7F) {
+    f = std::numeric_limits<float>::quiet_NaN();
+  } else {
+    const uint32_t bits = e == 0 ? 0u : (static_cast<uint32_t>(e - 7 - 8 + 127) << 23) | (static_cast<uint32_t>(m) << 20);
+    std::memcpy(&f, &bits, sizeof f);
+    if (e == 0) f = static_cast<float>(m) * (1.f / 131072.f);  // m * 2^-9 / 256
+  }
+  return (x.bits & 0x80) ? -f : f;
+}
+
+// An f16 (its bits) as f32.
+inline float HalfToFloat(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+  float f;
+  if (e == 0) {
+    f = static_cast<float>(m) * (1.f / 16777216.f);  // m * 2^-24
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (e == 31 ? (0xFFu << 23) | (m << 13) : ((e + 112) << 23) | (m << 13));
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
 }
 
 // ExpSoftmax's constants (shared with its 8-lane form, ExpSoftmax8).
@@ -103,33 +149,55 @@ inline __m256 ExpSoftmax8(__m256 x) {
 
 constexpr int64_t kTile = 16;     // keys scored at once: one 16-lane f32 vector
 
-// kt [D, kTile] = the n <= kTile rows k [n, D], widened to f32 and transposed (zeros past n).
+// kt [D, kTile] = the n <= kTile rows k [n, D], widened to f32 and transposed (zeros past n);
+// quantized rows are multiplied by their factor rs[t] (unused otherwise).
 template <typename P>
-inline void TransposeTileScalar(const P* k, int64_t n, int64_t d, float* kt) {
+inline void TransposeTileScalar(const P* k, int64_t n, int64_t d, const float* rs, float* kt) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < d; ++i) kt[i * kTile + t] = Widen(k[t * d + i]);
+    for (int64_t i = 0; i < d; ++i) {
+      if constexpr (kQuantized<P>) kt[i * kTile + t] = Widen(k[t * d + i]) * rs[t];
+      else kt[i * kTile + t] = Widen(k[t * d + i]);
+    }
   for (int64_t i = 0; i < d; ++i)
     for (int64_t t = n; t < kTile; ++t) kt[i * kTile + t] = 0.f;
 }
 
 #if defined(__AVX512F__)
+// 16 quantized elements as raw f32 (see Widen).
+inline __m512 LoadRaw16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 LoadRaw16(const Fp8E4M3* p) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3F80)),
+                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+  const __m512 f = _mm512_cvtph_ps(h);
+  // 0x7F / 0xFF (NaN) land on +-1.875, past the largest finite raw value (448 / 256 = 1.75)
+  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(1.875f), _CMP_EQ_OQ);
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
 // Row t of a 16 x 16 block of k (starting at column c) as 16 f32 lanes; zeros for t >= n.
-inline __m512 LoadRow(const float* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+inline __m512 LoadRow(const float* k, int64_t t, int64_t n, int64_t d, int64_t c, const float*) {
   return t < n ? _mm512_loadu_ps(k + t * d + c) : _mm512_setzero_ps();
 }
-inline __m512 LoadRow(const uint16_t* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+inline __m512 LoadRow(const uint16_t* k, int64_t t, int64_t n, int64_t d, int64_t c, const float*) {
   if (t >= n) return _mm512_setzero_ps();
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + t * d + c));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16 -> f32
 }
+template <typename P, typename = std::enable_if_t<kQuantized<P>>>
+inline __m512 LoadRow(const P* k, int64_t t, int64_t n, int64_t d, int64_t c, const float* rs) {
+  return t < n ? _mm512_mul_ps(LoadRaw16(k + t * d + c), _mm512_set1_ps(rs[t])) : _mm512_setzero_ps();
+}
 
 // The same in registers, 16 x 16 blocks at a time (D a multiple of 16).
 template <typename P>
-inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) {
-  if (d % 16 != 0) return TransposeTileScalar(k, n, d, kt);
+inline void TransposeTile(const P* k, int64_t n, int64_t d, const float* rs, float* kt) {
+  if (d % 16 != 0) return TransposeTileScalar(k, n, d, rs, kt);
   for (int64_t c = 0; c < d; c += 16) {
     __m512 r[16], t[16];
-    for (int64_t i = 0; i < 16; ++i) r[i] = LoadRow(k, i, n, d, c);
+    for (int64_t i = 0; i < 16; ++i) r[i] = LoadRow(k, i, n, d, c, rs);
     for (int i = 0; i < 16; i += 2) {  // pairs of rows, within 128-bit lanes
       t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
       t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -152,23 +220,46 @@ inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) {
 }
 #elif defined(__AVX2__)
 // Row t of an 8 x 8 block of k (starting at column c) as 8 f32 lanes; zeros for t >= n.
-inline __m256 LoadRow8(const float* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+inline __m256 LoadRow8(const float* k, int64_t t, int64_t n, int64_t d, int64_t c, const float*) {
   return t < n ? _mm256_loadu_ps(k + t * d + c) : _mm256_setzero_ps();
 }
-inline __m256 LoadRow8(const uint16_t* k, int64_t t, int64_t n, int64_t d, int64_t c) {
+inline __m256 LoadRow8(const uint16_t* k, int64_t t, int64_t n, int64_t d, int64_t c, const float*) {
   if (t >= n) return _mm256_setzero_ps();
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k + t * d + c));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16 -> f32
 }
+// 8 quantized elements as raw f32 (see Widen).
+inline __m256 LoadRaw8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 LoadRaw8(const Fp8E4M3* p) {
+#if defined(__F16C__)
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(0x3F80)),
+                                 _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+  const __m256 f = _mm256_cvtph_ps(h);
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), f);
+  const __m256 nan = _mm256_cmp_ps(abs, _mm256_set1_ps(1.875f), _CMP_EQ_OQ);  // 0x7F / 0xFF
+  return _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = Widen(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+template <typename P, typename = std::enable_if_t<kQuantized<P>>>
+inline __m256 LoadRow8(const P* k, int64_t t, int64_t n, int64_t d, int64_t c, const float* rs) {
+  return t < n ? _mm256_mul_ps(LoadRaw8(k + t * d + c), _mm256_set1_ps(rs[t])) : _mm256_setzero_ps();
+}
 
 // AVX2 (no AVX-512): the same, 8 x 8 blocks at a time (D a multiple of 8).
 template <typename P>
-inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) {
-  if (d % 8 != 0) return TransposeTileScalar(k, n, d, kt);
+inline void TransposeTile(const P* k, int64_t n, int64_t d, const float* rs, float* kt) {
+  if (d % 8 != 0) return TransposeTileScalar(k, n, d, rs, kt);
   for (int64_t t0 = 0; t0 < kTile; t0 += 8)
     for (int64_t c = 0; c < d; c += 8) {
       __m256 r[8], t[8];
-      for (int64_t i = 0; i < 8; ++i) r[i] = LoadRow8(k, t0 + i, n, d, c);
+      for (int64_t i = 0; i < 8; ++i) r[i] = LoadRow8(k, t0 + i, n, d, c, rs);
       for (int i = 0; i < 8; i += 2) {  // pairs of rows, within 128-bit lanes
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -187,8 +278,28 @@ inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) {
 }
 #else
 template <typename P>
-inline void TransposeTile(const P* k, int64_t n, int64_t d, float* kt) { TransposeTileScalar(k, n, d, kt); }
+inline void TransposeTile(const P* k, int64_t n, int64_t d, const float* rs, float* kt) {
+  TransposeTileScalar(k, n, d, rs, kt);
+}
 #endif
+
+// vt [n, D] = the quantized rows v [n, D] as f32, row t multiplied by its factor rs[t].
+template <typename P>
+inline void DequantRows(const P* v, int64_t n, int64_t d, const float* rs, float* vt) {
+  for (int64_t t = 0; t < n; ++t) {
+    const P* src = v + t * d;
+    float* dst = vt + t * d;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_set1_ps(rs[t]);
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(LoadRaw16(src + i), f));
+#elif defined(__AVX2__)
+    const __m256 f = _mm256_set1_ps(rs[t]);
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(LoadRaw8(src + i), f));
+#endif
+    for (; i < d; ++i) dst[i] = Widen(src[i]) * rs[t];
+  }
+}
 constexpr int64_t kRowBlock = 4;  // query rows sharing each key load
 // Head dims the P.V accumulators take at a time: kRowBlock x kDChunk floats in vector registers
 // (AVX-512: 4 x 64 = 16 of its 32; AVX2: 4 x 16 = 8 of 16, where 4 x 64 would spill).
@@ -199,21 +310,26 @@ constexpr int64_t kDChunk = 16;
 #endif
 
 // One tile of n <= kTile keys for every query row of a task. k, v: the tile's rows [n, D] in
-// the page (P: float, or uint16_t holding bf16). qs [rows_pad, D]: the queries, pre-scaled,
+// the page (P: float, uint16_t holding bf16, int8_t or Fp8E4M3); ks, vs [n]: quantized pages'
+// per-key factors (RawFactor x scale; unused otherwise). qs [rows_pad, D]: the queries, pre-scaled,
 // zero-padded to a multiple of kRowBlock rows; seen [rows_pad]: how many of the tile's keys
 // each row sees (causal; 0..n). Updates each row's running max m, sum l and accumulator acc
 // [rows_pad, D]. kt [D, kTile], vt [kTile, D], p [kRowBlock, kTile]: scratch.
 // The keys are transposed into kt so that a row's kTile scores come out of D vector FMAs with
 // no horizontal sums; each key vector then serves kRowBlock rows.
 template <int64_t kD, typename P>
-void TileStep(const float* __restrict qs, const P* __restrict k, const P* __restrict v, int64_t n,
+void TileStep(const float* __restrict qs, const P* __restrict k, const P* __restrict v,
+              const float* __restrict ks, const float* __restrict vs, int64_t n,
               int64_t dim, int64_t rows_pad, const int64_t* __restrict seen, float* __restrict kt,
               float* __restrict vt, float* __restrict p, float* __restrict acc, float* __restrict m,
               float* __restrict l) {
   const int64_t d = kD > 0 ? kD : dim;
-  TransposeTile(k, n, d, kt);
+  TransposeTile(k, n, d, ks, kt);
   const float* vr = reinterpret_cast<const float*>(v);
-  if constexpr (!std::is_same_v<P, float>) {
+  if constexpr (kQuantized<P>) {
+    DequantRows(v, n, d, vs, vt);
+    vr = vt;
+  } else if constexpr (!std::is_same_v<P, float>) {
 #pragma omp simd
     for (int64_t i = 0; i < n * d; ++i) vt[i] = Widen(v[i]);
     vr = vt;
@@ -304,16 +420,17 @@ void TileStep(const float* __restrict qs, const P* __restrict k, const P* __rest
 
 // A task's working memory, kept per thread across calls (no allocation per task).
 struct Scratch {
-  std::vector<float> m, l, acc, qs, kt, vt, p;
+  std::vector<float> m, l, acc, qs, kt, vt, p, ks, vs;
   std::vector<int64_t> limit, seen;
 };
 
 // Attention of sequence `seq` against kv head `hk`: every query row j * G + g. kD > 0 fixes
 // the head dim at compile time (unrolled inner loops); 0 reads it from sh. P: the page
-// element type (float, or uint16_t holding bf16).
+// element type (float, uint16_t holding bf16, int8_t or Fp8E4M3); ksp, vsp: the f16 scales
+// [Hkv, NB, BS] of quantized pages (null otherwise).
 template <int64_t kD, typename P>
 void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const P* kp,
-               const P* vp, const int32_t* tables, const int32_t* kv_lens,
+               const P* vp, const uint16_t* ksp, const uint16_t* vsp, const int32_t* tables, const int32_t* kv_lens,
                const int32_t* q_starts, const int32_t* q_lens, float scale, float* out) {
   const int64_t g_count = sh.h / sh.hkv, d = kD > 0 ? kD : sh.d, bs = sh.bs;
   const int64_t q0 = q_starts[seq];  // first query token of the sequence in q / out
@@ -332,6 +449,8 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   w.kt.resize(d * kTile);
   w.vt.resize(kTile * d);
   w.p.resize(kRowBlock * kTile);
+  w.ks.resize(kTile);
+  w.vs.resize(kTile);
   w.limit.assign(rows_pad, -1);  // last key position each row sees (-1: padding, sees none)
   w.seen.resize(rows_pad);
   int64_t last = -1;
@@ -352,17 +471,30 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
     const P* kb = kp + (hk * sh.nb + blk) * bs * d;  // [BS, D]
     const P* vb = vp + (hk * sh.nb + blk) * bs * d;
     if ((page + 1) * bs <= last) {  // pages are scattered: fetch the next one while on this one
-      const int64_t nxt = (hk * sh.nb + std::clamp<int64_t>(table[page + 1], 0, sh.nb - 1)) * bs * d;
+      const int64_t nxt_blk = hk * sh.nb + std::clamp<int64_t>(table[page + 1], 0, sh.nb - 1), nxt = nxt_blk * bs * d;
       for (int64_t i = 0; i < bs * d; i += 64 / static_cast<int64_t>(sizeof(P))) {  // a cache line
         __builtin_prefetch(kp + nxt + i);
         __builtin_prefetch(vp + nxt + i);
       }
+      if constexpr (kQuantized<P>)
+        for (int64_t i = 0; i < bs; i += 32) {
+          __builtin_prefetch(ksp + nxt_blk * bs + i);
+          __builtin_prefetch(vsp + nxt_blk * bs + i);
+        }
     }
     for (int64_t t0 = 0; t0 < page_seen; t0 += kTile) {
       const int64_t n = std::min(kTile, page_seen - t0), base = page * bs + t0;
       for (int64_t r = 0; r < rows_pad; ++r) w.seen[r] = std::clamp<int64_t>(w.limit[r] - base + 1, 0, n);
-      TileStep<kD, P>(w.qs.data(), kb + t0 * d, vb + t0 * d, n, d, rows_pad, w.seen.data(), w.kt.data(),
-                      w.vt.data(), w.p.data(), w.acc.data(), w.m.data(), w.l.data());
+      if constexpr (kQuantized<P>) {
+        const uint16_t* ksb = ksp + (hk * sh.nb + blk) * bs + t0;
+        const uint16_t* vsb = vsp + (hk * sh.nb + blk) * bs + t0;
+        for (int64_t t = 0; t < n; ++t) {
+          w.ks[t] = HalfToFloat(ksb[t]) * RawFactor<P>;
+          w.vs[t] = HalfToFloat(vsb[t]) * RawFactor<P>;
+        }
+      }
+      TileStep<kD, P>(w.qs.data(), kb + t0 * d, vb + t0 * d, w.ks.data(), w.vs.data(), n, d, rows_pad,
+                      w.seen.data(), w.kt.data(), w.vt.data(), w.p.data(), w.acc.data(), w.m.data(), w.l.data());
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -374,12 +506,15 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   }
 }
 
-template <ffi::DataType kPage>
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<kPage> k_pages, ffi::Buffer<kPage> v_pages,
-                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
-                              ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
-                              ffi::ResultBuffer<ffi::F32> out) {
+// The handlers' body: checks shapes, zeroes out, runs a task per (sequence, kv head).
+// P: the page element type; PageBuf: the pages' buffer type (f8e4m3fn has no FFI native type:
+// an AnyBuffer of that dtype). k_scales / v_scales: quantized pages' f16 scales (null otherwise).
+template <typename P, typename PageBuf>
+ffi::Error RunAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, PageBuf& k_pages,
+                        PageBuf& v_pages, ffi::Buffer<ffi::F16>* k_scales,
+                        ffi::Buffer<ffi::F16>* v_scales, ffi::Buffer<ffi::S32>& block_tables,
+                        ffi::Buffer<ffi::S32>& kv_lens, ffi::Buffer<ffi::S32>& q_starts,
+                        ffi::Buffer<ffi::S32>& q_lens, float scale, ffi::ResultBuffer<ffi::F32>& out) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto vd = v_pages.dimensions();
@@ -396,10 +531,19 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (!same_pages || sh.hkv <= 0 || sh.nb <= 0 || sh.bs <= 0 || kd[3] != sh.d || sh.h % sh.hkv != 0 ||
       kld[0] != sh.s || qsd[0] != sh.s || qld[0] != sh.s)
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
+  const uint16_t *ksp = nullptr, *vsp = nullptr;
+  if constexpr (kQuantized<P>) {
+    for (ffi::Buffer<ffi::F16>* sc : {k_scales, v_scales}) {
+      auto sd = sc->dimensions();
+      if (sd.size() != 3 || sd[0] != sh.hkv || sd[1] != sh.nb || sd[2] != sh.bs)
+        return ffi::Error::InvalidArgument("paged attention: scales must be [Hkv, NB, BS]");
+    }
+    ksp = k_scales->typed_data();
+    vsp = v_scales->typed_data();
+  }
   const float* qp = q.typed_data();
-  using P = ffi::NativeType<kPage>;
-  const P* kp = k_pages.typed_data();
-  const P* vp = v_pages.typed_data();
+  const P* kp = static_cast<const P*>(k_pages.untyped_data());
+  const P* vp = static_cast<const P*>(v_pages.untyped_data());
   const int32_t* tp = block_tables.typed_data();
   const int32_t* kl = kv_lens.typed_data();
   const int32_t* qs = q_starts.typed_data();
@@ -407,10 +551,36 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   float* op = out->typed_data();
   std::fill_n(op, sh.t * sh.h * sh.d, 0.f);  // tokens no sequence owns stay zero
   auto attend = sh.d == 64 ? AttendOne<64, P> : sh.d == 128 ? AttendOne<128, P> : AttendOne<0, P>;
-  pagedjax::ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, tp, kl, qs, ql, scale, op](int64_t i) {
-    attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, tp, kl, qs, ql, scale, op);
+  pagedjax::ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, ksp, vsp, tp, kl, qs, ql, scale, op](int64_t i) {
+    attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, ksp, vsp, tp, kl, qs, ql, scale, op);
   });
   return ffi::Error::Success();
+}
+
+template <ffi::DataType kPage>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<kPage> k_pages, ffi::Buffer<kPage> v_pages,
+                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  return RunAttention<ffi::NativeType<kPage>>(pool, q, k_pages, v_pages, nullptr, nullptr, block_tables, kv_lens, q_starts,
+                             q_lens, scale, out);
+}
+
+// Quantized pages (int8, f8e4m3fn) with their f16 scales [Hkv, NB, BS].
+template <typename P, typename PageBuf>
+ffi::Error PagedAttentionQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                   PageBuf k_pages, PageBuf v_pages,
+                                   ffi::Buffer<ffi::F16> k_scales, ffi::Buffer<ffi::F16> v_scales,
+                                   ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
+                                   ffi::ResultBuffer<ffi::F32> out) {
+  if constexpr (std::is_same_v<PageBuf, ffi::AnyBuffer>) {
+    if (k_pages.element_type() != ffi::F8E4M3FN || v_pages.element_type() != ffi::F8E4M3FN)
+      return ffi::Error::InvalidArgument("paged attention: pages must be f8e4m3fn");
+  }
+  return RunAttention<P>(pool, q, k_pages, v_pages, &k_scales, &v_scales, block_tables, kv_lens, q_starts,
+                             q_lens, scale, out);
 }
 
 // The KV write for bf16 pools: XLA:CPU widens a bf16 scatter to f32 (a full pass over the
@@ -512,3 +682,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedKVWriteBF16, WriteKVImpl,
 
 PAGED_ATTENTION_HANDLER(PagedAttentionF32, ffi::F32);
 PAGED_ATTENTION_HANDLER(PagedAttentionBF16, ffi::BF16);
+
+#define PAGED_ATTENTION_QUANT_HANDLER(name, elem_type, page_type)                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (PagedAttentionQuantImpl<elem_type, page_type>), \
+                                ffi::Ffi::Bind()                                       \
+                                    .Ctx<ffi::ThreadPool>()                            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()      /* q */         \
+                                    .Arg<page_type>()                  /* k_pages */   \
+                                    .Arg<page_type>()                  /* v_pages */   \
+                                    .Arg<ffi::Buffer<ffi::F16>>()      /* k_scales */  \
+                                    .Arg<ffi::Buffer<ffi::F16>>()      /* v_scales */  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* block_tables */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* kv_lens */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* q_starts */  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      /* q_lens */    \
+                                    .Attr<float>("scale")                              \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
+
+PAGED_ATTENTION_QUANT_HANDLER(PagedAttentionInt8, int8_t, ffi::Buffer<ffi::S8>);
+PAGED_ATTENTION_QUANT_HANDLER(PagedAttentionFP8, Fp8E4M3, ffi::AnyBuffer);

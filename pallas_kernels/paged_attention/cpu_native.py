@@ -3,8 +3,10 @@
 XLA:CPU runs the jnp paths as many small fused loops; for decode (a few query rows per
 sequence) their fixed costs dominate. The C++ kernel walks each sequence's pages once with
 an online softmax, on XLA's intra-op thread pool. Pages may be float32 or bfloat16 (widened
-to float32 as they are read); q, the softmax and the output are float32 (a bf16 q is
-widened, the output cast back to q's dtype). It is compiled at first use with the
+to float32 as they are read), or int8 / float8_e4m3fn with float16 scales per token and kv
+head (kv_quant.py; dequantized as they are read: widened and multiplied by their scale); q,
+the softmax and the output are float32 (a bf16 q is widened, the output cast back to q's
+dtype). It is compiled at first use with the
 system C++ compiler (`g++ -O3 -march=native`, about 10 s; pallas_kernels/native_build.py)
 into ~/.cache/pagedjax/native/ (PAGEDJAX_CACHE moves the root); `available()` is False (and the
 engine keeps the XLA path) when there is no compiler, the build fails, or
@@ -26,7 +28,11 @@ from pallas_kernels import native_build
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGETS = {"float32": ("pagedjax_paged_attention_f32", "PagedAttentionF32"),  # page dtype -> (target, symbol)
-            "bfloat16": ("pagedjax_paged_attention_bf16", "PagedAttentionBF16")}
+            "bfloat16": ("pagedjax_paged_attention_bf16", "PagedAttentionBF16"),
+            "int8": ("pagedjax_paged_attention_int8", "PagedAttentionInt8"),  # + k / v scales
+            "float8_e4m3fn": ("pagedjax_paged_attention_fp8", "PagedAttentionFP8")}
+_Q_DTYPES = ("float32", "bfloat16")
+_QUANTIZED = ("int8", "float8_e4m3fn")  # kv_quant.QUANTIZED_KV_DTYPES
 _WRITE_TARGET = ("pagedjax_kv_write_bf16", "PagedKVWriteBF16")
 _COPY_TARGET = ("pagedjax_copy_blocks_bf16", "PagedCopyBlocksBF16")
 log = logging.getLogger(__name__)
@@ -53,29 +59,42 @@ def available() -> bool:
 
 
 def native_supported(q_dtype, page_dtype) -> bool:
-    """The kernel serves this call: CPU backend, float32 or bfloat16 q and pages, kernel built."""
-    ok = (jnp.dtype(q_dtype).name in _TARGETS and jnp.dtype(page_dtype).name in _TARGETS)
+    """The kernel serves this call: CPU backend, float32 or bfloat16 q, float32, bfloat16, int8 or
+    float8_e4m3fn pages (the last two with their scales), kernel built."""
+    ok = (jnp.dtype(q_dtype).name in _Q_DTYPES and jnp.dtype(page_dtype).name in _TARGETS)
     return ok and jax.default_backend() == "cpu" and available()
 
 
-def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts, q_lens, *, scale):
+def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts, q_lens, *, scale,
+                            k_scales=None, v_scales=None):
     """Packed layout: q [T, H, D]; sequence s owns tokens [q_starts[s], q_starts[s] + q_lens[s]).
     Same result as `packed_attention_reference` (float32 softmax; pages float32 or bfloat16;
-    the output in q's dtype); needs `available()`."""
-    target, _ = _TARGETS[jnp.dtype(k_pages.dtype).name]
+    the output in q's dtype); needs `available()`. int8 / float8_e4m3fn pages need their
+    k_scales / v_scales [Hkv, NB, BS] (float16; kv_quant.py): the result is the reference's on
+    `kv_quant.dequantize(pages, scales)`."""
+    page = jnp.dtype(k_pages.dtype).name
+    if jnp.dtype(v_pages.dtype).name != page:
+        raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ")
+    target, _ = _TARGETS[page]
+    quantized = page in _QUANTIZED
+    if quantized != (k_scales is not None) or quantized != (v_scales is not None):
+        raise ValueError(f"{page} pages: k_scales and v_scales are {'required' if quantized else 'not taken'}")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     i32 = lambda x: x.astype(jnp.int32)
-    out = call(q.astype(jnp.float32), k_pages, v_pages, i32(block_tables), i32(kv_lens), i32(q_starts),
+    scales = (k_scales.astype(jnp.float16), v_scales.astype(jnp.float16)) if quantized else ()
+    out = call(q.astype(jnp.float32), k_pages, v_pages, *scales, i32(block_tables), i32(kv_lens), i32(q_starts),
                i32(q_lens), scale=np.float32(scale))
     return out.astype(q.dtype)
 
 
-def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale):
-    """Padded layout q [S, Q, H, D]: same result as `paged_attention_reference`."""
+def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale, k_scales=None,
+                           v_scales=None):
+    """Padded layout q [S, Q, H, D]: same result as `paged_attention_reference` (quantized
+    pages: with their scales, as in `packed_attention_native`)."""
     s, nq, h, d = q.shape
     starts = jnp.arange(s, dtype=jnp.int32) * nq
     out = packed_attention_native(q.reshape(s * nq, h, d), k_pages, v_pages, block_tables, kv_lens, starts,
-                                  q_lens, scale=scale)
+                                  q_lens, scale=scale, k_scales=k_scales, v_scales=v_scales)
     return out.reshape(s, nq, h, d)
 
 
