@@ -168,9 +168,10 @@ inline __m512 LoadRaw16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline __m512 LoadRaw16(const Fp8E4M3* p) {
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3F80)),
-                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+  // sign-extended to 16 bits and shifted by 7: the sign in bits 15 and 14, exponent and mantissa
+  // in 13..7; clearing bit 14 leaves the f16 bits
+  const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
   const __m512 f = _mm512_cvtph_ps(h);
   // 0x7F / 0xFF (NaN) land on +-1.875, past the largest finite raw value (448 / 256 = 1.75)
   const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(1.875f), _CMP_EQ_OQ);
@@ -234,9 +235,8 @@ inline __m256 LoadRaw8(const int8_t* p) {
 }
 inline __m256 LoadRaw8(const Fp8E4M3* p) {
 #if defined(__F16C__)
-  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(0x3F80)),
-                                 _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+  const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // as LoadRaw16
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
   const __m256 f = _mm256_cvtph_ps(h);
   const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), f);
   const __m256 nan = _mm256_cmp_ps(abs, _mm256_set1_ps(1.875f), _CMP_EQ_OQ);  // 0x7F / 0xFF
