@@ -10,6 +10,15 @@ median of --iters calls, with the weight bytes read per ms (GB/s). A path that d
 a shape prints "-".
 
     python scripts/bench_matmul.py [--rows 1,8,16,32,64,512] [--iters 7] [--dtype bfloat16]
+
+--dtype int8: the same stack with per-output-channel int8 weights (w_q [O, I] int8, w_scale
+[O] float32; 106 MB, head 28 MB): the int8 kernel (matmul_int8, W8A8 on AVX512-VNNI) against
+the bf16 native kernel (AVX512-BF16) and XLA's bf16 dot on bf16 weights, and "xla-deq" (w_q
+widened to bf16 in the call, XLA's bf16 dot, then w_scale: what a caller without the kernel
+does). The int8 kernel runs at every row count asked for (supported() offers it up to
+INT8_MAX_ROWS, chosen from this table). Each cell: median ms of --iters calls [min - max], --repeats times over (the rows in turn).
+
+    python scripts/bench_matmul.py --dtype int8 --rows 1,8,16,32 --iters 15 --repeats 3
 """
 from __future__ import annotations
 
@@ -45,22 +54,89 @@ def serves(path: str, rows: int, dtype) -> bool:
     return path == "amx" or rows <= cpu_matmul.MAX_ROWS
 
 
-def timed(fn, args, iters: int) -> float:
+def call_times(fn, args, iters: int) -> np.ndarray:
+    """ms of each of `iters` calls, after one to compile and warm up."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    return 1e3 * np.asarray(times)
+
+
+def timed(fn, args, iters: int) -> float:
+    return float(np.median(call_times(fn, args, iters)))
+
+
+def stack_fn(mm):
+    """The 30 layers chained, mm(x, weights) for each matrix (a tuple per layer)."""
+    def stack(x, layers):
+        for wqkv, wo, wgu, wd in layers:
+            h = mm(mm(x, wqkv)[:, :HIDDEN], wo)
+            x = x + 1e-3 * mm(mm(h, wgu)[:, :INTER], wd)
+        return x
+    return stack
+
+
+def quantize(w):
+    """w [O, I] float32 -> (w_q [O, I] int8, w_scale [O] float32), per output channel, symmetric."""
+    scale = np.maximum(np.abs(w).max(axis=1), 1e-12) / 127
+    return jnp.asarray(np.clip(np.round(w / scale[:, None]), -127, 127), jnp.int8), jnp.asarray(scale, jnp.float32)
+
+
+def int8_main(args) -> None:
+    """The int8 kernel against the bf16 native kernel and XLA's bf16 dot (and xla-deq), side by side."""
+    rng = np.random.default_rng(0)
+    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    floats = [[(rng.standard_normal(s) * 0.02).astype(np.float32) for s in shapes] for _ in range(LAYERS)]
+    head_f = (rng.standard_normal((VOCAB, HIDDEN)) * 0.02).astype(np.float32)
+    bf16 = [[jnp.asarray(w, jnp.bfloat16) for w in ws] for ws in floats]
+    head_bf16 = jnp.asarray(head_f, jnp.bfloat16)
+    q8 = [[quantize(w) for w in ws] for ws in floats]
+    head_q8 = quantize(head_f)
+    del floats, head_f
+    mb = lambda ws: sum(a.size * a.dtype.itemsize for w in ws for a in (w if isinstance(w, tuple) else (w,))) / 1e6
+    print(f"int8: {cpu_matmul.int8_available()}, AVX512-BF16: {cpu_matmul.available()}; layers "
+          f"{mb([w for ws in q8 for w in ws]):.0f} MB int8 / {mb([w for ws in bf16 for w in ws]):.0f} MB bf16, "
+          f"head {mb([head_q8]):.0f} / {mb([head_bf16]):.0f} MB")
+    xla_bf16 = lambda x, w: jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    paths = {  # name: (matmul on (x, weights), layer weights, head weights, serves(rows))
+        "int8": (lambda x, w: cpu_matmul.matmul_int8(x, *w), q8, head_q8,
+                 lambda m: cpu_matmul.int8_available()),  # any M here, past INT8_MAX_ROWS too
+        "bf16-native": (cpu_matmul.matmul_bf16, bf16, head_bf16, lambda m: cpu_matmul.supported(m, HIDDEN, QKV)),
+        "xla-bf16": (xla_bf16, bf16, head_bf16, lambda m: True),
+        "xla-deq": (lambda x, w: xla_bf16(x, w[0].astype(jnp.bfloat16)) * w[1], q8, head_q8, lambda m: True),
+    }
+    paths = {p: paths[p] for p in args.paths.split(",")} if args.paths else paths
+    rows = [int(r) for r in args.rows.split(",")]
+    cell = lambda t: f"{np.median(t):7.2f} [{t.min():6.2f}-{t.max():6.2f}]"
+    print(f"{'rows':>4s} {'rep':>3s} " + " ".join(f"{p + ' layers ms':>24s} {p + ' head ms':>24s}" for p in paths))
+    fns = {p: (jax.jit(stack_fn(mm)), jax.jit(mm)) for p, (mm, *_rest) in paths.items()}
+    for rep in range(args.repeats):
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, HIDDEN)), jnp.float32)
+            cells = []
+            for p, (mm, layers, head, serves) in paths.items():
+                if not serves(m):
+                    cells.append(f"{'-':>24s} {'-':>24s}")
+                    continue
+                stack, one = fns[p]
+                cells.append(f"{cell(call_times(stack, (x, layers), args.iters)):>24s} "
+                             f"{cell(call_times(one, (x, head), args.iters)):>24s}")
+            print(f"{m:4d} {rep:3d} " + " ".join(cells), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16,32,64,512")
     p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"])
+    p.add_argument("--repeats", type=int, default=1, help="--dtype int8: rounds over the rows")
+    p.add_argument("--paths", default="", help="--dtype int8: a subset of int8,bf16-native,xla-bf16,xla-deq")
     args = p.parse_args(argv)
+    if args.dtype == "int8":
+        return int8_main(args)
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -81,14 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                 cells.append(f"{'-':>22s} {'-':>18s}")
                 continue
             mm = matmul(path)
-
-            def stack(x, layers, mm=mm):
-                for wqkv, wo, wgu, wd in layers:
-                    h = mm(mm(x, wqkv)[:, :HIDDEN], wo)
-                    x = x + 1e-3 * mm(mm(h, wgu)[:, :INTER], wd)
-                return x
-
-            ms = timed(jax.jit(stack), (x, layers), args.iters)
+            ms = timed(jax.jit(stack_fn(mm)), (x, layers), args.iters)
             head_ms = timed(jax.jit(lambda x, mm=mm: mm(x, head)), (x,), args.iters)
             cells.append(f"{ms:8.1f} ms {layer_mb / ms:5.1f} GB/s {head_ms:6.1f} ms "
                          f"{head_mb / head_ms:4.1f} GB/s")
