@@ -7,7 +7,8 @@
               means, e.g. for tests that compare with float32 transformers token for token.
   "bfloat16", "float32", "float16"
 `kv_cache_dtype`: "auto" (the model dtype; float32 for a float16 model: the kernels take
-float32 or bfloat16 pages), "bfloat16" or "float32".
+float32 or bfloat16 pages), "bfloat16" or "float32"; "int8" or "fp8" (e4m3): 8-bit pages with a
+float16 scale per token and KV head (pallas_kernels/paged_attention/kv_quant.py), ~2x the tokens.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import jax.numpy as jnp
 
 AUTO_DTYPE_ENV = "PAGEDJAX_AUTO_DTYPE"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
+QUANTIZED_KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # pallas_kernels/paged_attention/kv_quant.py
 _FAST_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -80,8 +82,9 @@ def resolve_dtype(dtype: str, cfg=None):
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
-    """'auto' -> the model dtype (float32 for float16); 'bfloat16' / 'float32' -> that."""
+    """'auto' -> the model dtype (float32 for float16); 'bfloat16' / 'float32' -> that;
+    'int8' -> int8, 'fp8' -> float8_e4m3fn (the quantized pages' storage)."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         return jnp.dtype(jnp.bfloat16 if jnp.dtype(model_dtype) == jnp.bfloat16 else jnp.float32)
-    return jnp.dtype(DTYPES[kv_cache_dtype])
+    return jnp.dtype(QUANTIZED_KV_CACHE_DTYPES.get(kv_cache_dtype) or DTYPES[kv_cache_dtype])

@@ -15,7 +15,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from models.sharding import DATA_AXIS, MODEL_AXIS
 from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_packed_attention
-from pallas_kernels.paged_attention import cpu_native
+from pallas_kernels.paged_attention import cpu_native, kv_quant
+from pallas_kernels.paged_attention.kv_quant import QuantizedPages
 from pallas_kernels.paged_attention.ops import packed_paged_attention, write_kv
 
 
@@ -38,7 +39,16 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
 
 
-KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [Hkv, L * NB, BS, D]: every layer's blocks
+# (k, v), each [Hkv, L * NB, BS, D]: every layer's blocks; an int8 / fp8 cache holds each as
+# kv_quant.QuantizedPages (the pages and their float16 scales [Hkv, L * NB, BS])
+KVCache = tuple[jax.Array | QuantizedPages, jax.Array | QuantizedPages]
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """K and V of one token in every layer, a quantized cache's scales counted."""
+    dtype = jnp.dtype(dtype)
+    per_head = head_dim * dtype.itemsize + (jnp.dtype(jnp.float16).itemsize if kv_quant.is_quantized(dtype) else 0)
+    return 2 * num_layers * num_kv_heads * per_head
 
 
 class PagedKVCache:
@@ -141,7 +151,7 @@ def init_kv_cache(cache, num_layers: int, num_kv_heads: int, head_dim: int, dtyp
     ranks, rank r's whole pool follows rank r - 1's on the block axis."""
     shape = list(cache.shape(num_layers, num_kv_heads, head_dim))
     shape[1] *= data_parallel
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    make = jax.jit(lambda: kv_quant.zeros(shape, dtype), out_shardings=sharding)
     return make(), make()
 
 
@@ -161,8 +171,8 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
     num_blocks = kv[0].shape[1] // num_layers
     layer_base = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks  # [L]
 
-    def body(i, caches):
-        return tuple(x.at[:, layer_base + dst[i]].set(x[:, layer_base + src[i]]) for x in caches)
+    def body(i, caches):  # a quantized pool's scales are copied with its pages
+        return jax.tree.map(lambda x: x.at[:, layer_base + dst[i]].set(x[:, layer_base + src[i]]), caches)
 
     return jax.lax.fori_loop(0, jnp.sum(dst < num_blocks), body, tuple(kv))
 
@@ -176,7 +186,7 @@ def copy_blocks_at_once(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.A
     real = dst[None, :] < num_blocks  # [1, C]
     to = jnp.where(real, layer_base + dst[None, :], num_layers * num_blocks).reshape(-1)  # [L * C]; out of range: dropped
     frm = (layer_base + jnp.where(real, src[None, :], 0)).reshape(-1)  # [L * C]
-    return tuple(x.at[:, to].set(x[:, frm], mode="drop") for x in kv)
+    return jax.tree.map(lambda x: x.at[:, to].set(x[:, frm], mode="drop"), tuple(kv))
 
 
 def copy_blocks_sharded(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array, mesh: Mesh | None) -> KVCache:

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import dtypes
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, KVCache
+from models.quantization import QUANTIZED, quantize_weight
 from models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
 from pallas_kernels import cpu_matmul
 
@@ -45,13 +46,16 @@ def _cpu_lacks_bf16() -> bool:
     return not dtypes.has_fast_bf16("cpu")  # read once: dtypes.cpu_flags is cached
 
 
-def linear(x, w, native: bool = False):
+def linear(x, w, native: bool = False, scale=None, compute_dtype=jnp.bfloat16):
     """x [..., in] @ w[out, in].T -> [..., out] in float32. A narrower w (bf16) takes x
     rounded to its dtype and accumulates in float32; w is not widened to x's dtype (that
     converts the whole weight every step), except on a CPU without bf16 arithmetic from
     WIDEN_BF16_MIN_ROWS rows, where that pays. native: decode-sized x [M, in] goes to the CPU
     kernel (pallas_kernels.cpu_matmul) where one serves the shape and w's dtype; same result
-    up to float32 rounding."""
+    up to float32 rounding. scale [out]: w is quantized (int8 / float8, models.quantization),
+    the real matrix w * scale[:, None]; see `quantized_linear`."""
+    if scale is not None:
+        return quantized_linear(x, w, scale, native, compute_dtype)
     if native and x.ndim == 2 and cpu_matmul.supported(x.shape[0], w.shape[1], w.shape[0], w.dtype):
         return cpu_matmul.matmul(x, w)
     if native and w.dtype == jnp.bfloat16 and x.size // x.shape[-1] >= WIDEN_BF16_MIN_ROWS and _cpu_lacks_bf16():
@@ -59,6 +63,18 @@ def linear(x, w, native: bool = False):
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype).astype(jnp.float32), w.astype(jnp.float32))
     return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32,
                       precision=_f32_precision(w.dtype))
+
+
+def quantized_linear(x, w_q, scale, native: bool, compute_dtype):
+    """x [..., in] @ (w_q [out, in] * scale [out, None]).T -> [..., out] float32. Decode-sized
+    x on a CPU with VNNI: the native int8 kernel (x quantized per row, integer sums). Else
+    x and w_q in compute_dtype (the model dtype: int8 and e4m3 values are exact in bf16),
+    float32 accumulation, the scale applied to the output columns."""
+    if native and x.ndim == 2 and cpu_matmul.supported(x.shape[0], w_q.shape[1], w_q.shape[0], w_q.dtype):
+        return cpu_matmul.matmul_quantized(x, w_q, scale)
+    y = jnp.einsum("...i,oi->...o", x.astype(compute_dtype), w_q.astype(compute_dtype),
+                   preferred_element_type=jnp.float32, precision=_f32_precision(compute_dtype))
+    return y * scale
 
 
 def _f32_precision(dtype):
@@ -100,13 +116,20 @@ def apply_rope(x, cos, sin):
 MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down"})  # stored in the model dtype
 
 
+def _value(param):
+    return None if param is None else param[...]
+
+
 class Placement:
     """Where parameters go: the default device (mesh None), or each array's shards straight
     to their devices on `mesh` (models.sharding), so no device ever holds a whole split weight.
-    The matrices (MATRICES) in `dtype`, the small vectors (norms, biases) in float32."""
+    The matrices (MATRICES) in `dtype`, the small vectors (norms, biases) in float32;
+    with `quantization` the matrices in 8 bits with a scale per output row (`matrix`)."""
 
-    def __init__(self, dtype, mesh=None, layout: TPLayout | None = None, stacked: bool = False):
+    def __init__(self, dtype, mesh=None, layout: TPLayout | None = None, stacked: bool = False,
+                 quantization: str | None = None):
         self.dtype, self.mesh, self.layout, self.stacked = dtype, mesh, layout, stacked
+        self.quantization = quantization
         # one CPU device: decode-sized matmuls may take a native kernel (bf16: AMX, AVX512-BF16 or
         # AVX2; float32: AVX2), wherever one serves the shape (cpu_matmul.supported)
         self.native_matmul = ((mesh is None or mesh.devices.size == 1) and jax.default_backend() == "cpu"
@@ -119,10 +142,21 @@ class Placement:
 
     def __call__(self, arrays: dict, name: str) -> nnx.Param:
         dtype = self.dtype if name in MATRICES else jnp.float32
+        return self._put(np.asarray(arrays[name], dtype=dtype), param_spec(name, np.ndim(arrays[name]), self.stacked,
+                                                                            self.layout))
+
+    def matrix(self, arrays: dict, name: str) -> tuple[nnx.Param, nnx.Param | None]:
+        """(weight, scale): matrix `name` in the model dtype and None, or quantized
+        (models.quantization) and its float32 scale per output row, sharded with those rows."""
+        if self.quantization is None or name not in QUANTIZED:
+            return self(arrays, name), None
+        w_q, scale = quantize_weight(arrays[name], self.quantization)
+        spec = param_spec(name, w_q.ndim, self.stacked, self.layout)
+        return self._put(w_q, spec), self._put(scale, P(*spec[:scale.ndim]))
+
+    def _put(self, x: np.ndarray, spec: P) -> nnx.Param:
         if self.mesh is None:
-            return nnx.Param(jnp.asarray(arrays[name], dtype=dtype))
-        x = np.asarray(arrays[name], dtype=dtype)
-        spec = param_spec(name, x.ndim, self.stacked, self.layout)
+            return nnx.Param(jnp.asarray(x))
         return nnx.Param(jax.device_put(x, NamedSharding(self.mesh, spec)))
 
 
@@ -132,9 +166,9 @@ class Attention(nnx.Module):
         self.num_shards = layout.tp
         self.eps = cfg.rms_norm_eps
         # [(H + 2 Hkv) D, E]: q, k, v projections fused, as num_shards groups [q_g | k_g | v_g]
-        self.wqkv = place(arrays, "wqkv")
-        self.wo = place(arrays, "wo")  # [E, H D]
-        self.native = place.native_matmul
+        self.wqkv, self.wqkv_scale = place.matrix(arrays, "wqkv")  # scale [(H + 2 Hkv) D] when quantized
+        self.wo, self.wo_scale = place.matrix(arrays, "wo")  # [E, H D]
+        self.native, self.compute_dtype = place.native_matmul, place.dtype
         for name in ("bqkv", "bo", "q_norm", "k_norm"):
             setattr(self, name, place(arrays, name) if name in arrays else None)
 
@@ -142,7 +176,7 @@ class Attention(nnx.Module):
         """x [T,E] (the step's packed tokens) -> (new kv, out [T,E])."""
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, self.wqkv[...], self.native)
+        qkv = linear(x, self.wqkv[...], self.native, _value(self.wqkv_scale), self.compute_dtype)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...]
         g = self.num_shards
@@ -156,7 +190,7 @@ class Attention(nnx.Module):
             k = rms_norm(k, self.k_norm[...], self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv, o = cache.update_and_attend(kv, layer, q, k, v, md, scale=d ** -0.5)  # o [T, H, D]
-        out = linear(o.reshape(t, h * d), self.wo[...], self.native)
+        out = linear(o.reshape(t, h * d), self.wo[...], self.native, _value(self.wo_scale), self.compute_dtype)
         if self.bo is not None:
             out = out + self.bo[...]
         return kv, out
@@ -164,17 +198,19 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, arrays: dict, place: Placement, layout: TPLayout):
-        self.w_gate_up = place(arrays, "w_gate_up")  # [2 I, E]: gate and up fused, as shards [gate_g | up_g]
-        self.w_down = place(arrays, "w_down")  # [E, I]
+        # [2 I, E]: gate and up fused, as shards [gate_g | up_g]; scales [2 I], [E] when quantized
+        self.w_gate_up, self.w_gate_up_scale = place.matrix(arrays, "w_gate_up")
+        self.w_down, self.w_down_scale = place.matrix(arrays, "w_down")  # [E, I]
         self.num_shards = layout.tp
-        self.native = place.native_matmul
+        self.native, self.compute_dtype = place.native_matmul, place.dtype
 
     def __call__(self, x):
-        gu = linear(x, self.w_gate_up[...], self.native)  # [T, 2 I]
+        gu = linear(x, self.w_gate_up[...], self.native, _value(self.w_gate_up_scale), self.compute_dtype)  # [T, 2 I]
         i = gu.shape[-1] // 2
         gu = gu.reshape(*gu.shape[:-1], self.num_shards, 2, i // self.num_shards)
         gate, up = gu[..., 0, :].reshape(*gu.shape[:-3], i), gu[..., 1, :].reshape(*gu.shape[:-3], i)
-        return linear(jax.nn.silu(gate) * up, self.w_down[...], self.native)
+        return linear(jax.nn.silu(gate) * up, self.w_down[...], self.native, _value(self.w_down_scale),
+                      self.compute_dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -203,29 +239,33 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, scan_layers: bool = False,
-                 mesh=None):
+                 mesh=None, quantization: str | None = None):
         self.config = cfg
         self.scan_layers = scan_layers
-        self.dtype = jnp.dtype(dtype)  # of the matrices; activations are float32
+        self.dtype = jnp.dtype(dtype)  # of the matrices (quantized: of their dots); activations are float32
+        self.quantization = quantization  # None, "int8" or "fp8" (models.quantization)
         layout = tp_layout(cfg, 1 if mesh is None else mesh.shape["model"])
         self.num_kv_heads = layout.num_kv_heads  # stored (replicated up to tp when tp > the model's)
-        place = Placement(dtype, mesh, layout)
+        place = Placement(dtype, mesh, layout, quantization=quantization)
         self.native_head = place.native_head
-        self.embed = place(arrays, "embed")  # [V, E]
+        self.embed, self.embed_scale = place.matrix(arrays, "embed")  # [V, E]; scale [V] when quantized
         layers = [regroup_layer(layer, cfg, layout) for layer in arrays["layers"]]
         if scan_layers:
             stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
             # every parameter [L, ...]
-            self.layers = DecoderLayer(cfg, stacked, Placement(dtype, mesh, layout, stacked=True), layout)
+            self.layers = DecoderLayer(cfg, stacked, Placement(dtype, mesh, layout, stacked=True,
+                                                               quantization=quantization), layout)
         else:
             self.layers = nnx.List([DecoderLayer(cfg, layer, place, layout) for layer in layers])
         self.norm = place(arrays, "norm")
-        self.lm_head = None if cfg.tie_word_embeddings else place(arrays, "lm_head")  # [V, E]
+        self.lm_head, self.lm_head_scale = (None, None) if cfg.tie_word_embeddings else place.matrix(arrays, "lm_head")
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
 
     def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache):
         """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv)."""
         x = self.embed[...][tokens].astype(jnp.float32)  # [T, E]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale[...][tokens][:, None]
         cos, sin = rope_table_once(md.positions, self.inv_freq[...])  # [T, D] each
         kv = tuple(kv)
         if not self.scan_layers:
@@ -246,6 +286,8 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden):
         """hidden [..., E] -> float32 logits [..., V]."""
-        head = self.embed[...] if self.lm_head is None else self.lm_head[...]
+        head, scale = (self.embed, self.embed_scale) if self.lm_head is None else (self.lm_head, self.lm_head_scale)
+        head, scale = head[...], _value(scale)
         # the native kernel for decode-sized heads only (scripts/bench_matmul.py)
-        return linear(hidden, head, self.native_head and hidden.shape[0] <= cpu_matmul.head_max_rows(head.dtype))
+        native = self.native_head and hidden.shape[0] <= cpu_matmul.head_max_rows(head.dtype)
+        return linear(hidden, head, native, scale, self.dtype)

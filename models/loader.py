@@ -8,6 +8,7 @@ import numpy as np
 from models.config import ModelConfig, load_config
 from models.dtypes import resolve_dtype, resolve_kv_cache_dtype  # noqa: F401  (re-exported)
 from models.llama import CausalLM
+from models.quantization import check_quantization
 from models.sharding import MODEL_AXIS, check_tp
 
 _LAYER_NAMES = {  # our name -> HF suffix under model.layers.{i}.
@@ -99,17 +100,20 @@ def default_scan_layers() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers: bool | None = None, mesh=None):
+def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers: bool | None = None, mesh=None,
+               quantization: str | None = None):
     """Returns (CausalLM, ModelConfig, tokenizer) for a local HF dir, or the default model.
     scan_layers: None picks `default_scan_layers()`. mesh: a ("data", "model") Mesh to split
-    the weights over "model" (models.sharding); each device receives only its shards."""
+    the weights over "model" (models.sharding); each device receives only its shards.
+    quantization: None, "int8" or "fp8": the matrices quantized as they load (models.quantization)."""
     from models.weights import load_tensors_from_dir
 
+    check_quantization(quantization)
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
     if mesh is not None:
         check_tp(cfg, mesh.shape[MODEL_AXIS])  # before reading any weights
     arrays = convert_hf_tensors(cfg, load_tensors_from_dir(model_dir))
     scan = default_scan_layers() if scan_layers is None else scan_layers
-    model = CausalLM(cfg, arrays, resolve_dtype(dtype, cfg), scan_layers=scan, mesh=mesh)
+    model = CausalLM(cfg, arrays, resolve_dtype(dtype, cfg), scan_layers=scan, mesh=mesh, quantization=quantization)
     return model, cfg, load_tokenizer(model_dir)

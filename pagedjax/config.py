@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.dtypes import DTYPES, KV_CACHE_DTYPES, check_dtype, check_kv_cache_dtype
+from models.quantization import QUANTIZATIONS, check_quantization
 
 from pagedjax.spec_decode.config import SpeculativeConfig
 
@@ -54,7 +55,11 @@ class EngineConfig:
     dtype: str = option("auto", "the model's matrices (activations stay float32); auto: bfloat16 where the hardware "
                         "has fast bf16 (TPU, GPU, CPU with AVX512-BF16/AMX), else float32", str,
                         choices=("auto", *DTYPES))
-    kv_cache_dtype: str = option("auto", "KV cache dtype (auto: the model dtype)", str, choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = option("auto", "KV cache dtype (auto: the model dtype; int8 / fp8: 8-bit pages with a "
+                                 "float16 scale per token and KV head, ~2x the tokens in the same memory)", str,
+                                 choices=KV_CACHE_DTYPES)
+    quantization: str | None = option(None, "weights in 8 bits, quantized at load with a scale per output channel: "
+                                      "int8 or fp8 (e4m3); default: the model dtype", str, choices=QUANTIZATIONS)
     seed: int = option(0, "engine seed (requests without a seed of their own draw theirs from it)", int)
     kv_cache_memory_gb: float | None = option(None, "KV memory per data-parallel rank, split over its tensor-parallel "
                                               "devices (default: 2 GiB on CPU, 0.8 of the free device memory "
@@ -92,6 +97,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         check_dtype(self.dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_quantization(self.quantization)
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import packed
+from pallas_kernels.paged_attention.kv_quant import load, split
 from pallas_kernels.paged_attention.ops import GPU_BACKENDS
 from pallas_kernels.paged_attention.cpu_native import (native_supported, packed_attention_native,
                                                        paged_attention_native)
@@ -53,9 +54,12 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
         raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'native' or 'xla'")
     native = native_supported(q.dtype, k_cache.dtype)
     if impl == "native" and not native:
-        raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q and cache, and a built kernel")
+        raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q, a float32/bfloat16/int8/"
+                         "fp8 cache, and a built kernel")
     if impl != "xla" and native:  # a slot is one page of max_model_len rows
-        return paged_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, q_lens, scale=scale)
+        (k, k_scales), (v, v_scales) = split(k_cache), split(v_cache)
+        return paged_attention_native(q, k, v, slots[:, None], kv_lens, q_lens, scale=scale, k_scales=k_scales,
+                                      v_scales=v_scales)
     c = min(chunk_tokens, max_len)
     g = h // hkv
     qg = _fold_gqa(q, hkv).astype(jnp.float32) * scale  # [S, Hkv, G, Q, D]
@@ -68,8 +72,9 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
 
     def rows(cache, start):
         """Rows [start, start + c) of every sequence's slot: [S, Hkv, C, D] float32."""
-        take = lambda slot: jax.lax.dynamic_slice(cache, (0, slot, start, 0), (hkv, 1, c, d))[:, 0]
-        return jax.vmap(take)(slots).astype(jnp.float32)
+        take = lambda x: jax.vmap(
+            lambda slot: jax.lax.dynamic_slice(x, (0, slot, start, 0), (hkv, 1, c, x.shape[-1]))[:, 0])(slots)
+        return load(cache, take)
 
     def body(i, carry):
         # when c does not divide L the last chunk is shifted back to stay inside the slot;
@@ -95,8 +100,10 @@ def dense_packed_attention(q, k_cache, v_cache, slots, kv_lens, cu_q_lens, *, sc
     into rows of `row_tokens` (packed.to_rows) and walked by `dense_attention`.
     """
     if impl != "xla" and native_supported(q.dtype, k_cache.dtype):
-        return packed_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, cu_q_lens[:-1],
-                                       cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
+        (k, k_scales), (v, v_scales) = split(k_cache), split(v_cache)
+        return packed_attention_native(q, k, v, slots[:, None], kv_lens, cu_q_lens[:-1],
+                                       cu_q_lens[1:] - cu_q_lens[:-1], scale=scale, k_scales=k_scales,
+                                       v_scales=v_scales)
     if impl == "native":
         raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q and cache, and a built kernel")
     tile = 1 if q.shape[0] <= slots.shape[0] else row_tokens

@@ -26,6 +26,8 @@ def stats(engine) -> dict:
         "num_computed_prompt_tokens": engine.num_computed_prompt_tokens,
         **spec_stats(engine.spec),
         "kv_cache": cfg.kv_cache,
+        "kv_cache_dtype": engine.kv_dtype.name,
+        "quantization": cfg.quantization,
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},
         "kv_utilization": mem.utilization,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from models.kv_cache import kv_bytes_per_token
 from models.loader import resolve_kv_cache_dtype
 from pagedjax.config import EngineConfig
 from pagedjax.parallel.mesh import bytes_per_device
@@ -25,7 +26,7 @@ def plan_kv(cfg: EngineConfig, model, draft=None) -> KVPlan:
     budget); fills cfg.num_blocks when it is unset."""
     mc = model.config
     kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, model.dtype)
-    kv_bytes_per_token = 2 * mc.num_layers * model.num_kv_heads * mc.head_dim * kv_dtype.itemsize
+    kv_bytes = kv_bytes_per_token(mc.num_layers, model.num_kv_heads, mc.head_dim, kv_dtype)
     dense = cfg.kv_cache == "dense"
     block_size = cfg.max_model_len if dense else cfg.block_size
     weight_bytes = max(bytes_per_device(nnx.state(model)).values())  # one device's share
@@ -44,9 +45,9 @@ def plan_kv(cfg: EngineConfig, model, draft=None) -> KVPlan:
         if draft is not None:
             bs = DRAFT_BLOCK_SIZE
             reserved = draft_token_bytes * (cfg.max_num_seqs * (k + 1 + bs) + bs)
-        cfg.num_blocks = cfg.default_num_blocks((kv_bytes_per_token + draft_token_bytes) * block_size,
+        cfg.num_blocks = cfg.default_num_blocks((kv_bytes + draft_token_bytes) * block_size,
                                                 weight_bytes + penalty_bytes, block_size, reserved)
     budget = (None if cfg.kv_cache_memory_gb is None else
-              int(cfg.kv_cache_memory_gb * (1 << 30)) // (kv_bytes_per_token + draft_token_bytes))
+              int(cfg.kv_cache_memory_gb * (1 << 30)) // (kv_bytes + draft_token_bytes))
     max_seqs = min(cfg.max_num_seqs, cfg.num_blocks) if dense else cfg.max_num_seqs  # dense: batch <= slots
-    return KVPlan(kv_dtype, kv_bytes_per_token, block_size, budget, max_seqs)
+    return KVPlan(kv_dtype, kv_bytes, block_size, budget, max_seqs)

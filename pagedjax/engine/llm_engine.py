@@ -55,7 +55,8 @@ class LLMEngine:
         compile_counter.enable_persistent_cache()
         self.config = cfg = EngineConfig(model=model, **engine_kwargs)
         self.mesh = make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
-        self.model, self.model_config, self.tokenizer = load_model(model, cfg.dtype, cfg.scan_layers, self.mesh)
+        self.model, self.model_config, self.tokenizer = load_model(model, cfg.dtype, cfg.scan_layers, self.mesh,
+                                                                   cfg.quantization)
         cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len
         self.model_name = engine_stats.model_name(model)
@@ -67,6 +68,7 @@ class LLMEngine:
                                      vocab_size=self.model_config.vocab_size, max_model_len=cfg.max_model_len)
         plan = plan_kv(cfg, self.model, draft)  # fills cfg.num_blocks
         self.kv_bytes_per_token, self.kv_budget_tokens = plan.kv_bytes_per_token, plan.budget_tokens
+        self.kv_dtype = plan.kv_dtype
         spec = cfg.speculative_config
         # a step verifies at most k drafts for each of up to 16 requests (sampled rows beyond one per sequence)
         max_drafts = spec.num_speculative_tokens * min(plan.max_num_seqs, 16) if spec else 0

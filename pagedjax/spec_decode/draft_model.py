@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from models.dtypes import resolve_kv_cache_dtype
-from models.kv_cache import AttentionMetadata, PagedKVCache, init_kv_cache
+from models.kv_cache import AttentionMetadata, PagedKVCache, init_kv_cache, kv_bytes_per_token
 from models.loader import load_model
 from pagedjax.core.buckets import Buckets
 from pagedjax.sample.sampler import argmax
@@ -43,7 +43,7 @@ class DraftModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.config.num_layers * self.model.num_kv_heads * self.config.head_dim * self.kv_dtype.itemsize
+        return kv_bytes_per_token(self.config.num_layers, self.model.num_kv_heads, self.config.head_dim, self.kv_dtype)
 
 
 def load_draft_model(path: str, *, dtype: str, kv_cache_dtype: str, vocab_size: int, max_model_len: int) -> DraftModel:

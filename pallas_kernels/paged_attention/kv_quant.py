@@ -11,6 +11,8 @@ normal values). A zero vector has scale 0 and x_q 0. `dequantize` gives float32.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
@@ -42,3 +44,59 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 def dequantize(x_q: jax.Array, scale: jax.Array) -> jax.Array:
     """x_q [..., D], scale [...] -> float32 [..., D] (x_q * scale)."""
     return x_q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedPages:
+    """A quantized page pool: data [Hkv, NB, BS, D] int8 / float8_e4m3fn and its scales
+    [Hkv, NB, BS] float16 (a pytree of the two, so it travels through jit, scan, shard_map
+    and donation like the plain array it replaces). `shape` and `dtype` are the data's."""
+
+    data: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+
+def zeros(shape, dtype) -> jax.Array | QuantizedPages:
+    """An empty pool [Hkv, NB, BS, D]: quantized dtypes as QuantizedPages with zero scales."""
+    if is_quantized(dtype):
+        return QuantizedPages(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], jnp.float16))
+    return jnp.zeros(shape, dtype)
+
+
+def load(pages, take) -> jax.Array:
+    """`take(pages)` as float32 [..., D]: `take` indexes or slices the leading axes of a pool
+    [Hkv, NB, BS, D] (its last axis kept, whatever its size); quantized pages are taken with
+    their scales and dequantized right there, in the attention loop, never as a whole pool."""
+    if isinstance(pages, QuantizedPages):
+        return take(pages.data).astype(jnp.float32) * take(pages.scales[..., None]).astype(jnp.float32)
+    return take(pages).astype(jnp.float32)
+
+
+def scatter_pages(pages, update, values) -> jax.Array | QuantizedPages:
+    """`update(pool, new)` writes new [T, Hkv, D] (cast to the pool's dtype) into a pool
+    [Hkv, NB, BS, D]; quantized pages get values quantized and their scales written alike
+    (`update` must keep the last axis generic: scales go in as [Hkv, NB, BS, 1])."""
+    if isinstance(pages, QuantizedPages):
+        v_q, scale = quantize(values, pages.dtype)
+        scales = update(pages.scales[..., None], scale[..., None])[..., 0]
+        return QuantizedPages(update(pages.data, v_q), scales)
+    return update(pages, values.astype(pages.dtype))
+
+
+def split(pages) -> tuple[jax.Array, jax.Array | None]:
+    """(data, scales) of a quantized pool, (pages, None) of a plain one: what the native
+    kernel takes (cpu_native.packed_attention_native's k_scales / v_scales)."""
+    return (pages.data, pages.scales) if isinstance(pages, QuantizedPages) else (pages, None)

@@ -22,7 +22,10 @@ impl:
 Dtypes: q and the pages each float32 or bfloat16. Softmax and accumulation run in float32
 everywhere; the output has q's dtype. bf16 pages with an f32 q (the engine's bf16 KV cache):
 the Pallas kernels feed their dots bf16 (q rounded, common.compute_dtype), the native kernel
-and the jnp paths widen the pages to f32.
+and the jnp paths widen the pages to f32. Quantized pages (int8 / float8_e4m3fn with float16
+scales per token and head, kv_quant.QuantizedPages) are dequantized as each path reads them
+(the native kernel in its inner loop, the jnp paths per gathered chunk); the Pallas kernels do
+not take them yet ("auto" picks "chunked" on TPU and GPU).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import cpu_native, packed, ragged, reference
+from . import cpu_native, kv_quant, packed, ragged, reference
 from .cpu_native import native_supported
 from .pallas_gpu import gpu_supported, paged_decode_attention_gpu
 from .pallas_gpu_prefill import paged_prefill_attention_gpu
@@ -75,7 +78,13 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl):
     if k_pages.dtype != v_pages.dtype:
         raise TypeError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
     _check_float("q", q)
-    _check_float("k_pages", k_pages)
+    if not kv_quant.is_quantized(k_pages.dtype):
+        _check_float("k_pages", k_pages)
+    elif not isinstance(k_pages, kv_quant.QuantizedPages) or not isinstance(v_pages, kv_quant.QuantizedPages):
+        raise TypeError(f"{k_pages.dtype} pages must come as kv_quant.QuantizedPages (the pages with their scales)")
+    elif impl.startswith("pallas"):
+        raise ValueError(f"impl={impl!r} does not take quantized ({k_pages.dtype}) pages yet; use 'chunked', "
+                         "'ragged', 'reference' or (CPU) 'native'")
     _check_int32("block_tables", block_tables)
     _check_int32("kv_lens", kv_lens)
     s, _, h, d = q.shape
@@ -98,6 +107,8 @@ def _resolve(impl, q_dtype, page_size, page_dtype):
     """Concrete implementation name for this call (backend read at trace time)."""
     backend = jax.default_backend()
     if impl == "auto":
+        if kv_quant.is_quantized(page_dtype) and backend != "cpu":
+            return "chunked"  # the Pallas kernels do not dequantize pages yet
         if backend == "tpu":
             return "pallas_tpu" if tpu_supported(page_size, page_dtype) else "chunked"
         if backend in GPU_BACKENDS:
@@ -144,10 +155,13 @@ def _prefill(impl, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
 
 
 def _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
+    if name == "native":
+        (k, k_scales), (v, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
+        return cpu_native.paged_attention_native(q, k, v, block_tables, kv_lens, q_lens, scale=scale,
+                                                 k_scales=k_scales, v_scales=v_scales)
     fn = {"reference": reference.paged_attention_reference,
           "chunked": reference.paged_attention_chunked,
-          "ragged": ragged.paged_attention_ragged,
-          "native": cpu_native.paged_attention_native}[name]
+          "ragged": ragged.paged_attention_ragged}[name]
     return fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale=scale)
 
 
@@ -192,8 +206,10 @@ def packed_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     scale = _scale(scale, d)
     name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
     if name == "native":
-        return cpu_native.packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens[:-1],
-                                                  cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
+        (k, k_scales), (v, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
+        return cpu_native.packed_attention_native(q, k, v, block_tables, kv_lens, cu_q_lens[:-1],
+                                                  cu_q_lens[1:] - cu_q_lens[:-1], scale=scale, k_scales=k_scales,
+                                                  v_scales=v_scales)
     if name == "reference":
         return packed.packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                                                  scale=scale)
@@ -242,7 +258,8 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries "
                          f"for {k.shape[0]} tokens")
     _check_int32("slot_mapping", slot_mapping)
-    _check_float("k_pages", k_pages)
+    if not kv_quant.is_quantized(k_pages.dtype):
+        _check_float("k_pages", k_pages)
     _check_float("k", k)
     if cpu_native.native_write_supported(k_pages.dtype):  # in place; XLA:CPU would widen the pool
         return cpu_native.write_kv_native(k_pages, v_pages, k, v, slot_mapping)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .kv_quant import load
 from .reference import F32_DOTS, NEG_INF
 
 
@@ -55,8 +56,8 @@ def packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     q_len = (cu_q_lens[1:] - cu_q_lens[:-1])[seq_c]
     pos = kv_lens[seq_c] - q_len + jnp.arange(t, dtype=jnp.int32) - cu_q_lens[seq_c]  # [T]
     tables = block_tables[seq_c]  # [T, MB]
-    k = k_pages[:, tables].reshape(hkv, t, mb * bs, d).astype(jnp.float32)  # [Hkv, T, K, D]
-    v = v_pages[:, tables].reshape(hkv, t, mb * bs, d).astype(jnp.float32)
+    take = lambda pages: pages[:, tables].reshape(hkv, t, mb * bs, pages.shape[-1])
+    k, v = load(k_pages, take), load(v_pages, take)  # [Hkv, T, K, D] float32
     qg = q.reshape(t, hkv, h // hkv, d).astype(jnp.float32)  # [T, Hkv, G, D]
     scores = jnp.einsum("tkgd,ktjd->tkgj", qg, k, precision=F32_DOTS) * scale
     key = jnp.arange(mb * bs, dtype=jnp.int32)

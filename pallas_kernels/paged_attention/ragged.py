@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from .kv_quant import load
 from .reference import F32_DOTS, NEG_INF  # every dot here (scores, P @ V, one-hot merges) in f32
 
 MUL_FORM_MAX_ROWS = 8
@@ -127,15 +128,14 @@ def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
     qpos = jnp.minimum(qpos, block_tables.shape[1] * bs - 1)  # keys exist only in the table
     row_pos = jnp.repeat(qpos, g, axis=1)  # [S, R] last key position each row sees
     ids, seqs, first_tok, steps = _schedule(block_tables, row_pos, nb, bs, u, w, hkv)
-    kf = k_pages.reshape(hkv * nb, bs * d)  # [Hkv * NB, BS * D]: a page per row
-    vf = v_pages.reshape(hkv * nb, bs * d)
+    # a page per row: [Hkv * NB, BS * D] (and [Hkv * NB, BS] scales), a unit of pages as [W, Hkv, TU, D]
+    take = lambda ids: lambda pages: _take_rows(pages.reshape(hkv * nb, -1), ids).reshape(w, hkv, tu, -1)
     seq_ids = jnp.arange(s, dtype=jnp.int32)
 
     def body(i, carry):
         m, l, acc = carry  # [S, Hkv, R], [S, Hkv, R], [S, Hkv, R, D]
         sq = seqs[i]  # [W] sequence of each unit
-        k = _take_rows(kf, ids[i]).reshape(w, hkv, tu, d).astype(jnp.float32)
-        v = _take_rows(vf, ids[i]).reshape(w, hkv, tu, d).astype(jnp.float32)
+        k, v = load(k_pages, take(ids[i])), load(v_pages, take(ids[i]))  # [W, Hkv, TU, D] float32
         qu = qr[sq]  # [W, Hkv, R, D]
         tok = first_tok[i][:, None] + jnp.arange(tu, dtype=jnp.int32)[None, :]  # [W, TU]
         if key_major:  # scores [W, Hkv, TU, R]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .kv_quant import load, scatter_pages
+
 NEG_INF = float("-inf")
 # the dots of the jnp paths, all on float32 operands: in float32 on every backend (GPU and TPU
 # default precision rounds f32 inputs to TF32 / bf16 passes; XLA:CPU computes f32 either way)
@@ -46,8 +48,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens
     s, nq, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
     mb = block_tables.shape[1]
-    k = k_pages[:, block_tables].reshape(hkv, s, mb * bs, d)  # [Hkv, S, T, D]
-    v = v_pages[:, block_tables].reshape(hkv, s, mb * bs, d)
+    take = lambda pages: pages[:, block_tables].reshape(hkv, s, mb * bs, pages.shape[-1])
+    k, v = load(k_pages, take), load(v_pages, take)  # [Hkv, S, T, D] float32
     qg = _fold_gqa(q, hkv).astype(jnp.float32)  # [S, Hkv, G, Q, D]
     scores = jnp.einsum("skgqd,kstd->skgqt", qg, k.astype(jnp.float32), precision=F32_DOTS) * scale
     qpos = query_positions(kv_lens, q_lens, nq)  # [S, Q]
@@ -114,8 +116,8 @@ def paged_attention_chunked(q, k_pages, v_pages, block_tables, kv_lens, q_lens, 
     def body(i, carry):
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(tables, i * c, c, axis=1)  # [S, C]
-        k = k_pages[:, ids].reshape(hkv, s, chunk_tokens, d).astype(jnp.float32)
-        v = v_pages[:, ids].reshape(hkv, s, chunk_tokens, d).astype(jnp.float32)
+        take = lambda pages: pages[:, ids].reshape(hkv, s, chunk_tokens, pages.shape[-1])
+        k, v = load(k_pages, take), load(v_pages, take)  # [Hkv, S, C, D] float32
         scores = jnp.einsum("skgqd,kstd->skgqt", qg, k, precision=F32_DOTS)
         t = i * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         valid = (t[None, None, :] <= qpos[:, :, None]) & (t[None, None, :] < kv_lens[:, None, None])
@@ -133,13 +135,13 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     k, v: [T, Hkv, D]; slot_mapping: [T] int32, slot = block * BS + offset, -1 for padding
     tokens (dropped). Returns the updated (k_pages, v_pages).
     """
-    hkv, nb, bs, d = k_pages.shape
+    hkv, nb, bs, _ = k_pages.shape
     num_slots = nb * bs
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
 
-    def scatter(pages, new):
-        flat = pages.reshape(hkv, num_slots, d)
-        flat = flat.at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype), mode="drop")
-        return flat.reshape(hkv, nb, bs, d)
+    def scatter(pages, new):  # pages [Hkv, NB, BS, W], new [T, Hkv, W]
+        flat = pages.reshape(hkv, num_slots, pages.shape[-1])
+        flat = flat.at[:, slots].set(new.transpose(1, 0, 2), mode="drop")
+        return flat.reshape(pages.shape)
 
-    return scatter(k_pages, k), scatter(v_pages, v)
+    return scatter_pages(k_pages, scatter, k), scatter_pages(v_pages, scatter, v)
