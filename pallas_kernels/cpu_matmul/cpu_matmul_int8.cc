@@ -35,6 +35,11 @@ namespace {
 
 constexpr int64_t kRows = 4;    // x rows per tile (at most)
 constexpr int64_t kOuts = 4;    // weight rows per tile
+// The first row tile of each weight tile prefetches the weight tile kPrefetchTiles ahead, so that
+// reading the weights overlaps the dot products (the 30-layer stack in a C++ harness, one thread:
+// 16 rows 19.6 -> 14.6 ms, 32 rows 37 -> 25, 1 row 11.0 -> 9.4; 1, 2 and 4 tiles ahead alike).
+// Past the task's block or w it is harmless (prefetches never fault).
+constexpr int64_t kPrefetchTiles = 2;
 constexpr int64_t kBlock = 32;  // output features per task (a multiple of kOuts; O = 576: 18 tasks, even on 2 threads)
 
 // acc + the four-byte dot products of u (u8) and s (s8), per 32-bit lane (vpdpbusd). Inline
@@ -74,8 +79,8 @@ inline __m128i SumFour(const __m512i a[kOuts]) {
 }
 
 // y[m0 .. m0 + R, o0 .. o0 + kOuts] from the u8 rows xu [M, I] and w [O, I]. kSum: also sum
-// the weight rows (into wsum[kOuts], s32), for the first row tile of a weight tile; later
-// tiles reuse them.
+// the weight rows (into wsum[kOuts], s32) and prefetch a later weight tile, for the first row
+// tile of a weight tile; later tiles reuse the sums.
 template <int R, bool kSum>
 inline void Tile(const uint8_t* xu, const int8_t* w, int64_t in, int64_t m0, int64_t o0, int64_t out,
                  const float* x_scale, const float* w_scale, int32_t* wsum, float* y) {
@@ -90,7 +95,10 @@ inline void Tile(const uint8_t* xu, const int8_t* w, int64_t in, int64_t m0, int
     __m512i wv[kOuts];
     for (int64_t j = 0; j < kOuts; ++j) wv[j] = _mm512_loadu_si512(wr + j * in + c);
     if (kSum)
-      for (int64_t j = 0; j < kOuts; ++j) sum[j] = Dot(sum[j], ones, wv[j]);
+      for (int64_t j = 0; j < kOuts; ++j) {
+        sum[j] = Dot(sum[j], ones, wv[j]);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + (kOuts * kPrefetchTiles + j) * in + c), _MM_HINT_T0);
+      }
     for (int64_t r = 0; r < R; ++r) {
       const __m512i xv = _mm512_loadu_si512(xr + r * in + c);
       for (int64_t j = 0; j < kOuts; ++j) acc[r][j] = Dot(acc[r][j], xv, wv[j]);
