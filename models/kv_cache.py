@@ -76,7 +76,7 @@ class PagedKVCache:
                                          impl=self.attention_impl)
             return (k_all, v_all), out
 
-        return per_device(attend, self.mesh)(kv, layer, q, k, v, md)
+        return per_device(rotated(attend, kv), self.mesh)(kv, layer, q, k, v, md)
 
 
 class DenseKVCache:
@@ -117,7 +117,20 @@ class DenseKVCache:
                                          chunk_tokens=self.chunk_tokens)
             return (k_all, v_all), out
 
-        return per_device(attend, self.mesh)(kv, layer, q, k, v, md)
+        return per_device(rotated(attend, kv), self.mesh)(kv, layer, q, k, v, md)
+
+
+def rotated(attend, kv: KVCache):
+    """`attend` on a quantized cache: q, k and v rotated before (kv_quant.rotate), the output
+    rotated back; as is on a plain cache."""
+    if not kv_quant.is_quantized(kv[0].dtype):
+        return attend
+
+    def attend_rotated(kv, layer, q, k, v, md):
+        kv, out = attend(kv, layer, kv_quant.rotate(q), kv_quant.rotate(k), kv_quant.rotate(v), md)
+        return kv, kv_quant.rotate(out)
+
+    return attend_rotated
 
 
 _CACHE_SPEC = (P(MODEL_AXIS, DATA_AXIS), P(MODEL_AXIS, DATA_AXIS))

@@ -11,10 +11,12 @@ normal values). A zero vector has scale 0 and x_q 0. `dequantize` gives float32.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
@@ -100,3 +102,25 @@ def split(pages) -> tuple[jax.Array, jax.Array | None]:
     """(data, scales) of a quantized pool, (pages, None) of a plain one: what the native
     kernel takes (cpu_native.packed_attention_native's k_scales / v_scales)."""
     return (pages.data, pages.scales) if isinstance(pages, QuantizedPages) else (pages, None)
+
+
+@functools.cache
+def _hadamard(d: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(d))
+
+
+def rotate(x: jax.Array) -> jax.Array:
+    """x [..., D] times an orthonormal Hadamard matrix [D, D] (D a power of two; other D: x
+    as it is). A quantized cache stores keys and values rotated, queries rotated alike, and
+    the attention output rotated back: q.k and p.v are unchanged (the matrix is orthogonal),
+    while an outlier channel (keys have a few, rope makes them per token) is spread over all
+    D, so the per-vector scale fits the rest: on SmolLM2-135M the int8 cache's log-prob error
+    fell by a third (scripts/bench_quantization.py)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        return x
+    h = jnp.asarray(_hadamard(d))  # symmetric and orthonormal: its own inverse
+    return jnp.einsum("...d,de->...e", x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
