@@ -84,7 +84,7 @@ class _Server(uvicorn.Server):
 
 
 def engine_banner(engine: Any, served_model_name: str | None = None) -> str:
-    """"MODEL (dtype D, KV pool N tokens / X.XX GiB)" from what the engine reports; the parts
+    """"MODEL (dtype D, weights Q, KV K, KV pool N tokens / X.XX GiB)" from what the engine reports; the parts
     an engine does not report are left out."""
     name = getattr(engine, "model_name", None) or served_model_name or "the model"
     if served_model_name and served_model_name != name:
@@ -93,6 +93,12 @@ def engine_banner(engine: Any, served_model_name: str | None = None) -> str:
     dtype = getattr(getattr(engine, "model", None), "dtype", None)
     if dtype is not None:
         details.append(f"dtype {getattr(dtype, 'name', dtype)}")
+    quantization = getattr(getattr(engine, "config", None), "quantization", None)
+    if quantization:
+        details.append(f"weights {quantization}")
+    kv_dtype = getattr(engine, "kv_dtype", None)
+    if kv_dtype is not None:
+        details.append(f"KV {getattr(kv_dtype, 'name', kv_dtype)}")
     kv_memory, per_token = getattr(engine, "kv_memory", None), getattr(engine, "kv_bytes_per_token", None)
     if callable(kv_memory) and per_token:
         tokens = kv_memory().capacity

@@ -67,6 +67,11 @@ class _StatsCollector:
                 metric = GaugeMetricFamily(_metric_name(key), _GAUGE_HELP.get(key, f"Engine stat {key}."))
             metric.add_metric([], float(value))
             yield metric
+        if "kv_cache_dtype" in stats:
+            info = GaugeMetricFamily("pagedjax:quantization_info", "Weight quantization (none, int8, fp8) and KV "
+                                     "cache dtype, as labels (value 1).", labels=["weights", "kv_cache_dtype"])
+            info.add_metric([stats.get("quantization") or "none", str(stats["kv_cache_dtype"])], 1.0)
+            yield info
         total, free = stats.get("kv_blocks_total"), stats.get("kv_blocks_free")
         if total:
             usage = GaugeMetricFamily("pagedjax:kv_cache_usage_ratio", "Fraction of KV blocks in use.")
