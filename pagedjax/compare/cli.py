@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/compare_kv_cache", help="directory for JSON, markdown and PNGs")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-int8-kv", dest="int8_kv", action="store_false",
+                   help="skip the third run (paged with an int8 KV cache in the same bytes)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 budget = int(args.kv_budget_mib * 2**20) // kv_bytes_per_token(model, args.dtype)
             budget = budget if budget is not None else 9000
             report = compare(model, workload, budget, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                             dtype=args.dtype, progress=not args.quiet)
+                             dtype=args.dtype, progress=not args.quiet, int8_kv=args.int8_kv)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -28,6 +28,7 @@ from pagedjax.core.kv_memory import block_map
 from pagedjax.sampling_params import SamplingParams
 
 BACKENDS = ("dense", "paged")
+INT8_KV = "paged_int8kv"  # the paged backend with kv_cache_dtype="int8", in the same KV bytes
 
 
 @dataclass(slots=True)
@@ -93,14 +94,16 @@ class BackendRun:
             raise ValueError("the dense vs paged comparison reads one block pool: run it with data_parallel_size=1")
         self.kind = kind
         self.budget_bytes = budget_tokens * kv_bytes_per_token(model, dtype)
-        self.engine = LLMEngine(model, stream_text=True, kv_cache=kind, block_size=block_size,
+        kv_dtype = "int8" if kind == INT8_KV else "auto"  # same bytes, ~2x the tokens
+        self.engine = LLMEngine(model, stream_text=True, kv_cache="dense" if kind == "dense" else "paged",
+                                kv_cache_dtype=kv_dtype, block_size=block_size,
                                 max_num_seqs=max_num_seqs, max_model_len=workload.max_model_len,
                                 enable_prefix_caching=enable_prefix_caching, dtype=dtype,
                                 kv_cache_memory_gb=self.budget_bytes / (1 << 30),
                                 # one whole step per step() call: each memory sample is of written KV,
                                 # not of blocks an unread step in flight holds
                                 **{"async_scheduling": False, **(engine_kwargs or {})})
-        assert self.engine.kv_budget_tokens == budget_tokens
+        assert kv_dtype != "auto" or self.engine.kv_budget_tokens == budget_tokens
         self.requests = workload.requests(self.engine.model_config.vocab_size)
         self.engine.warmup(progress)
         self.compilations = 0  # during the timed steps (0: every bucket was compiled before)
@@ -204,14 +207,16 @@ class BackendRun:
 
 def compare(model: str | None = None, workload: Workload | None = None, budget_tokens: int = 9000, *,
             block_size: int = 16, max_num_seqs: int = 32, dtype: str = "auto", progress: bool = False,
-            log=print) -> dict:
+            int8_kv: bool = True, log=print) -> dict:
     """Runs the workload on both backends with the same KV budget; returns the report.
+    int8_kv: a third run, paged with kv_cache_dtype="int8" in the same bytes (its outputs
+    are not expected to equal the others': 8-bit K/V change the logits slightly).
 
     The two runs are interleaved step by step, each timed on its own clock, so load from
     other processes on a shared machine falls on both alike."""
     workload = workload or Workload()
     runs = {}
-    for kind in BACKENDS:
+    for kind in (*BACKENDS, INT8_KV) if int8_kv else BACKENDS:
         log(f"[{kind}] building the engine and compiling the step shapes the workload needs ...")
         runs[kind] = BackendRun(kind, model, workload, budget_tokens, block_size=block_size,
                                 max_num_seqs=max_num_seqs, dtype=dtype, progress=progress)
@@ -242,6 +247,7 @@ def compare(model: str | None = None, workload: Workload | None = None, budget_t
             "latency_mean": paged["latency_mean_s"] / dense["latency_mean_s"],
         },
         "dense": dense, "paged": paged,
+        **({INT8_KV: results[INT8_KV]} if int8_kv else {}),
     }
 
 
@@ -268,18 +274,20 @@ TABLE_ROWS = [  # (label, key, format)
 
 
 def markdown_table(report: dict) -> str:
-    d, p = report["dense"], report["paged"]
-    lines = ["| | dense | paged | paged / dense |", "|---|---:|---:|---:|"]
+    d, p, q = report["dense"], report["paged"], report.get(INT8_KV)
+    extra = " paged + int8 KV | int8 KV / dense |" if q else ""
+    lines = ["| | dense | paged | paged / dense |" + extra, "|---|---:|---:|---:|" + ("---:|---:|" if q else "")]
+    ratio_keys = ("peak_concurrent_requests", "output_tokens_per_s", "decode_tokens_per_s_full", "latency_mean_s",
+                  "latency_p99_s")
     for label, key, fmt in TABLE_ROWS:
         if key is None:
-            lines.append(f"| {label} | {d['num_blocks']} x {d['block_size']} | {p['num_blocks']} x {p['block_size']} | |")
+            line = f"| {label} | {d['num_blocks']} x {d['block_size']} | {p['num_blocks']} x {p['block_size']} | |"
+            lines.append(line + (f" {q['num_blocks']} x {q['block_size']} | |" if q else ""))
             continue
-        ratio = ""
-        if key in ("peak_concurrent_requests", "output_tokens_per_s", "decode_tokens_per_s_full", "latency_mean_s",
-                   "latency_p99_s") and d[key]:
-            ratio = f"{p[key] / d[key]:.2f}x"
-        lines.append(f"| {label} | {fmt.format(d[key])} | {fmt.format(p[key])} | {ratio} |")
-    lines.append(f"| identical greedy outputs | {report['identical_outputs']} | | |")
+        ratio = lambda r: f"{r[key] / d[key]:.2f}x" if key in ratio_keys and d[key] else ""  # noqa: E731
+        line = f"| {label} | {fmt.format(d[key])} | {fmt.format(p[key])} | {ratio(p)} |"
+        lines.append(line + (f" {fmt.format(q[key])} | {ratio(q)} |" if q else ""))
+    lines.append(f"| identical greedy outputs | {report['identical_outputs']} | | |" + (" | |" if q else ""))
     w = report["workload"]
     shared = f" after a shared prefix of {w['shared_prefix_len']}" if w["shared_prefix_len"] else ""
     lines += ["", f"KV budget {report['kv_budget_tokens']} tokens ({_bytes(report['kv_budget_bytes'])}) for "

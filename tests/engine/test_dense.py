@@ -134,6 +134,10 @@ def test_compare_end_to_end_through_the_cli(tmp_path, capsys):
         assert run["decode_tokens_per_s_full"] > 0
         for s in run["timeline"]:
             assert s["reserved"] == s["written"] + s["internal_waste"]
+    int8 = report["paged_int8kv"]  # the third run: paged, int8 KV in the same bytes
+    assert int8["num_blocks"] > 2 * paged["num_blocks"] and int8["compilations_during_run"] == 0
+    assert int8["peak_concurrent_requests"] >= paged["peak_concurrent_requests"]
     assert "| peak concurrent requests |" in (tmp_path / "compare.md").read_text()
+    assert "paged + int8 KV" in (tmp_path / "compare.md").read_text()
     for name in ("kv_utilization.png", "kv_block_map.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
