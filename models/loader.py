@@ -1,10 +1,12 @@
 """Loads a checkpoint directory into a CausalLM plus its config and tokenizer (no engine needed)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
+from models import compressed_tensors
 from models.config import ModelConfig, load_config
 from models.dtypes import resolve_dtype, resolve_kv_cache_dtype  # noqa: F401  (re-exported)
 from models.llama import CausalLM
@@ -105,7 +107,8 @@ def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers
     """Returns (CausalLM, ModelConfig, tokenizer) for a local HF dir, or the default model.
     scan_layers: None picks `default_scan_layers()`. mesh: a ("data", "model") Mesh to split
     the weights over "model" (models.sharding); each device receives only its shards.
-    quantization: None, "int8" or "fp8": the matrices quantized as they load (models.quantization)."""
+    quantization: None, "int8" or "fp8": the matrices quantized as they load (models.quantization);
+    None on a compressed-tensors checkpoint: its own scheme (models.compressed_tensors)."""
     from models.weights import load_tensors_from_dir
 
     check_quantization(quantization)
@@ -113,7 +116,12 @@ def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers
     cfg = load_config(model_dir)
     if mesh is not None:
         check_tp(cfg, mesh.shape[MODEL_AXIS])  # before reading any weights
-    arrays = convert_hf_tensors(cfg, load_tensors_from_dir(model_dir))
+    tensors = load_tensors_from_dir(model_dir)
+    stored = compressed_tensors.scheme(json.loads((model_dir / "config.json").read_text()))
+    if stored is not None:  # a pre-quantized checkpoint: served in its own 8-bit scheme unless told otherwise
+        tensors = compressed_tensors.dequantize_tensors(tensors)
+        quantization = quantization or stored
+    arrays = convert_hf_tensors(cfg, tensors)
     scan = default_scan_layers() if scan_layers is None else scan_layers
     model = CausalLM(cfg, arrays, resolve_dtype(dtype, cfg), scan_layers=scan, mesh=mesh, quantization=quantization)
     return model, cfg, load_tokenizer(model_dir)

@@ -27,7 +27,7 @@ def stats(engine) -> dict:
         **spec_stats(engine.spec),
         "kv_cache": cfg.kv_cache,
         "kv_cache_dtype": engine.kv_dtype.name,
-        "quantization": cfg.quantization,
+        "quantization": engine.model.quantization,  # the config's, or a pre-quantized checkpoint's
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         **{f"kv_tokens_{k}": v for k, v in asdict(mem).items() if k != "num_requests"},
         "kv_utilization": mem.utilization,

@@ -178,3 +178,42 @@ def test_bad_quantization_is_refused():
         LLM(None, quantization="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(None, kv_cache_dtype="int4")
+
+
+def test_compressed_tensors_checkpoint(tiny_checkpoints, tmp_path):
+    """A pre-quantized checkpoint (compressed-tensors, int8 per channel, as llm-compressor
+    writes it) loads in its own scheme and computes what quantization="int8" computes."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    path = tiny_checkpoints("llama")[0]
+    from models.weights import load_tensors_from_dir
+
+    tensors = {}
+    for name, w in load_tensors_from_dir(path).items():
+        if name.endswith(".weight") and any(f".{n}." in name for n in _LINEAR):
+            q, s = quantize_weight(w, "int8")
+            tensors[name], tensors[f"{name}_scale"] = q, s[:, None]
+        else:
+            tensors[name] = np.asarray(w)
+    out = tmp_path / "ct"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                      "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                  "strategy": "channel"}}}}
+    (out / "config.json").write_text(json.dumps(config))
+    toks_ct, lps_ct, llm = _run(out)
+    assert llm.stats()["quantization"] == "int8"
+    layer = llm.engine.model.layers[0]
+    np.testing.assert_array_equal(np.asarray(layer.attn.wo[...]), tensors["model.layers.0.self_attn.o_proj.weight"])
+    toks, lps, _ = _run(path, quantization="int8")
+    assert toks_ct == toks and np.abs(lps_ct - lps).max() < 1e-4
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="4-bit int weights are not supported"):
+        LLM(str(out), **ENGINE)

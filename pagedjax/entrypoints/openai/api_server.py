@@ -93,7 +93,7 @@ def engine_banner(engine: Any, served_model_name: str | None = None) -> str:
     dtype = getattr(getattr(engine, "model", None), "dtype", None)
     if dtype is not None:
         details.append(f"dtype {getattr(dtype, 'name', dtype)}")
-    quantization = getattr(getattr(engine, "config", None), "quantization", None)
+    quantization = getattr(getattr(engine, "model", None), "quantization", None)
     if quantization:
         details.append(f"weights {quantization}")
     kv_dtype = getattr(engine, "kv_dtype", None)
