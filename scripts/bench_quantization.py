@@ -84,6 +84,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-gb", type=float, default=0.1, help="kv_cache_memory_gb of every configuration")
     p.add_argument("--no-speed", dest="speed", action="store_false")
+    p.add_argument("--workload", action="store_true", help="also the mixed workload of scripts/bench_workload.py "
+                   "(its defaults: 96 requests, prompts 32-384, outputs 16-192, 32 seats) for each configuration")
     args = p.parse_args(argv)
     model = args.model
     if args.random:
@@ -115,6 +117,41 @@ def main(argv=None) -> None:
             med, b = statistics.median(r["tok_s"]), statistics.median(base["tok_s"])
             line += f" {med:>12.1f} ({min(r['tok_s']):.1f}-{max(r['tok_s']):.1f}){'':>6} {med / b:>7.2f}"
         print(line, flush=True)
+    if args.workload:
+        run_workload(model, names, args)
+
+
+def run_workload(model, names, args) -> None:
+    """The mixed workload, each configuration in turn (bf16 first), output tok/s side by side."""
+    import bench_workload
+    from types import SimpleNamespace
+
+    w = SimpleNamespace(n=96, prompt_min=32, prompt_max=384, output_min=16, output_max=192, seed=0,
+                        max_num_seqs=32, max_model_len=1024, no_async_scheduling=False)
+    model_dir = model or str(default_model_path())
+    prompts, output_lens = bench_workload.make_workload(w, bench_workload._model_limits(model_dir)[0])
+    rows = {}
+    for name in names:
+        quantization, kv = CONFIGS[name]
+        dtype = "float32" if kv == "float32" else "auto"
+        print(f"[workload {name}] ...", flush=True)
+        r = bench_workload.bench_pagedjax(model_dir, prompts, output_lens, w, dtype=dtype, quantization=quantization,
+                                          kv_cache_dtype=kv)
+        rows[name] = r
+        gc.collect()
+    base = rows[names[0]]["tokens_per_s"]
+    print(f"\nmixed workload: {w.n} requests, prompts {w.prompt_min}-{w.prompt_max}, outputs {w.output_min}-"
+          f"{w.output_max}, {w.max_num_seqs} seats")
+    print(f"{'config':<11} {'output tok/s':>12} {'x base':>7} {'TTFT p50 s':>10} {'latency mean s':>14}")
+    for name, r in rows.items():
+        print(f"{name:<11} {r['tokens_per_s']:>12.1f} {r['tokens_per_s'] / base:>7.2f} {r['ttft_p50_s']:>10.2f} "
+              f"{r['latency_mean_s']:>14.2f}", flush=True)
+
+
+def default_model_path() -> Path:
+    from models.default_model import default_model_dir
+
+    return default_model_dir(progress=False)
 
 
 if __name__ == "__main__":

@@ -70,13 +70,16 @@ def _summary(name: str, wall: float, useful_tokens: int, ttft: list[float], late
 
 
 # -- pagedjax -------------------------------------------------------------------------------
-def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_lens: list[int], args) -> dict:
+def bench_pagedjax(model_dir: str, prompts: list[list[int]], output_lens: list[int], args,
+                   **engine_kwargs) -> dict:
+    """engine_kwargs: more LLM options (scripts/bench_quantization.py runs dtype / quantization
+    / kv_cache_dtype variants through here); dtype defaults to float32, as transformers runs."""
     from pagedjax import LLM, SamplingParams
 
     t = time.perf_counter()
     llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              enable_prefix_caching=False, warmup=True, dtype="float32",  # as transformers runs it here
-              async_scheduling=not args.no_async_scheduling)
+              enable_prefix_caching=False, warmup=True, async_scheduling=not args.no_async_scheduling,
+              **{"dtype": "float32", **engine_kwargs})
     # the warm-up compiles every step bucket (on a background thread: wait for it; older
     # versions compile in the first generate); not part of the timed run
     if hasattr(llm, "wait_for_warmup"):
