@@ -12,10 +12,11 @@ a shape prints "-".
     python scripts/bench_matmul.py [--rows 1,8,16,32,64,512] [--iters 7] [--dtype bfloat16]
 
 --dtype int8: the same stack with per-output-channel int8 weights (w_q [O, I] int8, w_scale
-[O] float32; 106 MB, head 28 MB): the int8 kernel (matmul_int8, W8A8 on AVX512-VNNI) against
-the bf16 native kernel (AVX512-BF16) and XLA's bf16 dot on bf16 weights, and "xla-deq" (w_q
+[O] float32; 106 MB, head 28 MB): the int8 kernel with 16-bit activations ("int8-a16",
+matmul_int8(act_bits=16), vpdpwssd: what matmul_quantized runs) and as W8A8 ("int8", act_bits=8,
+vpdpbusd) on AVX512-VNNI against the bf16 native kernel (AVX512-BF16) and XLA's bf16 dot on bf16 weights, and "xla-deq" (w_q
 widened to bf16 in the call, XLA's bf16 dot, then w_scale: what a caller without the kernel
-does). The int8 kernel runs at every row count asked for (supported() offers it up to
+does). The int8 kernel (either mode) runs at every row count asked for (supported() offers it up to
 INT8_MAX_ROWS, chosen from this table). Each cell: median ms of --iters calls [min - max], --repeats times over (the rows in turn).
 
     python scripts/bench_matmul.py --dtype int8 --rows 1,8,16,32 --iters 15 --repeats 3
@@ -86,7 +87,7 @@ def quantize(w):
 
 
 def int8_main(args) -> None:
-    """The int8 kernel against the bf16 native kernel and XLA's bf16 dot (and xla-deq), side by side."""
+    """The int8 kernel (16- and 8-bit activations) against the bf16 native kernel and XLA's bf16 dot (and xla-deq), side by side."""
     rng = np.random.default_rng(0)
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     floats = [[(rng.standard_normal(s) * 0.02).astype(np.float32) for s in shapes] for _ in range(LAYERS)]
@@ -102,8 +103,10 @@ def int8_main(args) -> None:
           f"head {mb([head_q8]):.0f} / {mb([head_bf16]):.0f} MB")
     xla_bf16 = lambda x, w: jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
     paths = {  # name: (matmul on (x, weights), layer weights, head weights, serves(rows))
-        "int8": (lambda x, w: cpu_matmul.matmul_int8(x, *w), q8, head_q8,
-                 lambda m: cpu_matmul.int8_available()),  # any M here, past INT8_MAX_ROWS too
+        "int8-a16": (lambda x, w: cpu_matmul.matmul_int8(x, *w, act_bits=16), q8, head_q8,
+                     lambda m: cpu_matmul.int8_available()),  # any M here, past INT8_MAX_ROWS too
+        "int8": (lambda x, w: cpu_matmul.matmul_int8(x, *w, act_bits=8), q8, head_q8,
+                 lambda m: cpu_matmul.int8_available()),
         "bf16-native": (cpu_matmul.matmul_bf16, bf16, head_bf16, lambda m: cpu_matmul.supported(m, HIDDEN, QKV)),
         "xla-bf16": (xla_bf16, bf16, head_bf16, lambda m: True),
         "xla-deq": (lambda x, w: xla_bf16(x, w[0].astype(jnp.bfloat16)) * w[1], q8, head_q8, lambda m: True),
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"])
     p.add_argument("--repeats", type=int, default=1, help="--dtype int8: rounds over the rows")
-    p.add_argument("--paths", default="", help="--dtype int8: a subset of int8,bf16-native,xla-bf16,xla-deq")
+    p.add_argument("--paths", default="", help="--dtype int8: a subset of int8-a16,int8,bf16-native,xla-bf16,xla-deq")
     args = p.parse_args(argv)
     if args.dtype == "int8":
         return int8_main(args)

@@ -18,8 +18,12 @@ dtype; `supported(m, i, o, dtype)` says whether one serves a shape.
 output channel, symmetric: w ~ w_q * w_scale[:, None]) at decode-sized M (INT8_MAX_ROWS): W8A8,
 each row of x quantized on entry (x_scale = max|x[m]| / 127, x_q = round(x / x_scale), both
 divisions as multiplications by the reciprocal), the integer dot on vpdpbusd (u8 x s8), then
-both scales; bit for bit `matmul_int8_reference`. `matmul_quantized(x, w_q, w_scale)` picks the
-path for w_q's dtype (int8 only; `supported(m, i, o, jnp.int8)`).
+both scales; bit for bit `matmul_int8_reference`. act_bits=16: x quantized per row to int16
+instead (x_scale = max|x[m]| / 32767; relative error ~1.5e-5, the quality of weight-only int8),
+the weights sign-extended to int16 as read, the dot on vpdpwssd (s16 pairs -> s32 lanes, exact
+for I <= INT8_A16_MAX_IN), the 16 lanes summed in float32 by a fixed tree; also bit for bit
+its reference. `matmul_quantized(x, w_q, w_scale)` picks the path for w_q's dtype (int8 only;
+`supported(m, i, o, jnp.int8)`), with 16-bit activations unless told act_bits=8.
 Needs a C++ compiler (built at first use, pallas_kernels/native_build.py).
 PAGEDJAX_NATIVE_MATMUL=0 turns the kernels off, PAGEDJAX_AMX=0 the AMX path.
 
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import native_build
 
@@ -53,11 +58,16 @@ AMX_MAX_ROWS = 64  # what `supported` offers the AMX path; larger M: XLA's dot, 
 #                    tiles prompt-sized shapes better (scripts/bench_matmul.py: even at ~96 rows)
 INT8_SOURCE = Path(__file__).with_name("cpu_matmul_int8.cc")
 _INT8_TARGET, _INT8_SYMBOL = "pagedjax_matmul_int8", "MatmulInt8"
-# int8 path (AVX512-VNNI); larger M: the caller's own dot. Process CPU time of the 30-layer stack
-# (scripts/bench_matmul.py shapes, 2-core AMD EPYC, Zen 4): int8 against XLA's bf16 dot 23 / 44 ms
-# at 16 rows, 58 / 107 at 64, 100 / 161 at 128, 187 / 314 at 256 (the kernel is still ahead
-# there; 128 keeps it to decode and speculative-decode steps, measured as far as 256)
-INT8_MAX_ROWS = 128
+# int8 path (AVX512-VNNI); larger M: the caller's own dot. Set for 16-bit activations (what
+# matmul_quantized runs; vpdpwssd does half the products of vpdpbusd, so it turns compute-bound
+# sooner). 30-layer stack, wall ms (scripts/bench_matmul.py --dtype int8, 2-core AMD EPYC, Zen 4),
+# int8-a16 / W8A8 / XLA's bf16 dot: 14.6 / 11.6 / 23.6 at 16 rows, 44 / 28 / 56 at 64,
+# 158 / 93 / 82 at 128. (W8A8 alone was ahead of XLA to 256 rows by process CPU time.)
+INT8_MAX_ROWS = 64
+# act_bits=16: a lane of an s32 accumulator sums I / 32 pair products of at most 2 * 32767 * 128
+# = 8388352 in magnitude, exact for I <= 8192 (256 * 8388352 = 2147418112 < 2^31); `supported`
+# refuses larger I for int8 weights (matmul_quantized's default is 16-bit activations)
+INT8_A16_MAX_IN = 8192
 HEAD_MAX_ROWS = 32  # AMX / AVX512-BF16 path on a wide vocab head: from ~48 rows XLA's dot (AMX too) is faster
 log = logging.getLogger(__name__)
 
@@ -120,12 +130,12 @@ def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
     """A kernel serves x [m, i] . w [o, i]^T, w in `dtype`, here (CPU backend, kernel built).
     bf16 with AVX512-BF16: i % 32 == 0, and with AMX o % 16 == 0 and m <= AMX_MAX_ROWS, else
     m <= MAX_ROWS and o % 4 == 0. Otherwise (float32 always) the AVX2 path: m at most
-    AVX2_MAX_ROWS[dtype] and i % 8 == 0. int8 (w_q for `matmul_quantized`): m <= INT8_MAX_ROWS,
-    i % 64 == 0, any o. Other dtypes (float8 ...): none."""
+    AVX2_MAX_ROWS[dtype] and i % 8 == 0. int8 (w_q for `matmul_quantized`, either act_bits):
+    m <= INT8_MAX_ROWS, i % 64 == 0, i <= INT8_A16_MAX_IN, any o. Other dtypes (float8 ...): none."""
     if m <= 0 or jax.default_backend() != "cpu":
         return False
     if jnp.dtype(dtype) == jnp.int8:
-        return m <= INT8_MAX_ROWS and i % 64 == 0 and int8_available()
+        return m <= INT8_MAX_ROWS and i % 64 == 0 and i <= INT8_A16_MAX_IN and int8_available()
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
         return False
     if jnp.dtype(dtype) == jnp.float32 or not available():
@@ -151,7 +161,8 @@ def target(dtype) -> str | None:
 
 
 def max_rows(dtype) -> int:
-    """The most rows `matmul` (int8: `matmul_quantized`) takes for weights of `dtype` here (0: none)."""
+    """The most rows `matmul` (int8: `matmul_quantized`, either act_bits) takes for weights of
+    `dtype` here (0: none)."""
     name = target(dtype)
     if name == _INT8_TARGET:
         return INT8_MAX_ROWS
@@ -209,10 +220,18 @@ def matmul(x, w):
     return matmul_avx2(x, w)
 
 
-def matmul_int8(x, w_q, w_scale):
+def _check_act_bits(act_bits, who: str) -> int:
+    if act_bits not in (8, 16) or isinstance(act_bits, bool):
+        raise ValueError(f"{who}: act_bits must be 8 or 16, got {act_bits!r}")
+    return int(act_bits)
+
+
+def matmul_int8(x, w_q, w_scale, act_bits: int = 8):
     """x [M, I] float32 (or bf16), w_q [O, I] int8, w_scale [O] float32 -> [M, O] float32
     ~ x @ (w_q * w_scale[:, None]).T, as `matmul_int8_reference` computes it (x quantized per
-    row); I % 64 == 0, any M (`supported` offers M <= INT8_MAX_ROWS) and O."""
+    row to act_bits: 8 (W8A8, vpdpbusd) or 16 (vpdpwssd; I <= INT8_A16_MAX_IN)); I % 64 == 0,
+    any M (`supported` offers M <= INT8_MAX_ROWS) and O."""
+    act_bits = _check_act_bits(act_bits, "matmul_int8")
     if (x.ndim != 2 or w_q.ndim != 2 or w_scale.ndim != 1 or x.shape[1] != w_q.shape[1]
             or w_scale.shape[0] != w_q.shape[0]):
         raise ValueError(f"matmul_int8: x [M, I], w_q [O, I] and w_scale [O], got {x.shape}, {w_q.shape}, "
@@ -223,32 +242,49 @@ def matmul_int8(x, w_q, w_scale):
                          f"{w_scale.dtype}")
     if x.shape[1] % 64:
         raise ValueError(f"matmul_int8: I must be a multiple of 64, got {x.shape[1]}")
+    if act_bits == 16 and x.shape[1] > INT8_A16_MAX_IN:
+        raise ValueError(f"matmul_int8: act_bits=16 takes I <= {INT8_A16_MAX_IN} (int32 lane sums), got {x.shape[1]}")
     if not int8_available():
         raise RuntimeError("matmul_int8 needs a CPU with AVX512-VNNI and a C++ compiler (see int8_available())")
     call = jax.ffi.ffi_call(_INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32),
                             vmap_method="sequential")
-    return call(x.astype(jnp.float32), w_q, w_scale.astype(jnp.float32))
+    return call(x.astype(jnp.float32), w_q, w_scale.astype(jnp.float32), act_bits=np.int32(act_bits))
 
 
-def matmul_quantized(x, w_q, w_scale):
+def matmul_quantized(x, w_q, w_scale, act_bits: int = 16):
     """x [M, I] @ (w_q [O, I] * w_scale [O, None])^T -> [M, O] float32 on the native path that
-    serves w_q's dtype here (int8: `matmul_int8`; check `supported(m, i, o, w_q.dtype)` first)."""
+    serves w_q's dtype here (int8: `matmul_int8`, 16-bit activations unless act_bits=8; check
+    `supported(m, i, o, w_q.dtype)` first)."""
     if jnp.dtype(w_q.dtype) != jnp.int8:
         raise ValueError(f"matmul_quantized: no native path for {w_q.dtype} weights (int8 only)")
-    return matmul_int8(x, w_q, w_scale)
+    return matmul_int8(x, w_q, w_scale, act_bits=act_bits)
 
 
-def matmul_int8_reference(x, w_q, w_scale):
-    """What matmul_int8 computes, in jnp: x [M, I] quantized per row (symmetric, 127 steps; an
-    all-zero row gives zeros), the int8 dot summed in int32, then both scales."""
+def matmul_int8_reference(x, w_q, w_scale, act_bits: int = 8):
+    """What matmul_int8 computes, in jnp: x [M, I] quantized per row (symmetric, 127 steps, or
+    32767 with act_bits=16; an all-zero row gives zeros), the integer dot summed in int32, then
+    both scales. act_bits=16: the dot's total may pass int32 (I * 32767 * 128), so it is summed
+    as the kernel does: in 16 int32 lanes (lane l of each 32-wide chunk of I takes elements
+    2l, 2l + 1), converted to float32 and added by the kernel's tree."""
+    act_bits = _check_act_bits(act_bits, "matmul_int8_reference")
     x = x.astype(jnp.float32)
+    steps = 127 if act_bits == 8 else 32767
     # the divisions as multiplications by reciprocals, as XLA compiles `/ 127` and `x / x_scale`
     # anyway (written out so that the kernel can do the same, bit for bit)
-    x_scale = jnp.max(jnp.abs(x), axis=1) * jnp.float32(1 / 127)  # [M]
+    x_scale = jnp.max(jnp.abs(x), axis=1) * jnp.float32(1 / steps)  # [M]
     inv = 1 / jnp.where(x_scale > 0, x_scale, 1)  # [M]
-    x_q = jnp.where(x_scale[:, None] > 0, jnp.clip(jnp.round(x * inv[:, None]), -127, 127), 0).astype(jnp.int8)
-    acc = jnp.einsum("mi,oi->mo", x_q, w_q, preferred_element_type=jnp.int32)  # [M, O]
-    return acc.astype(jnp.float32) * x_scale[:, None] * w_scale.astype(jnp.float32)[None, :]
+    x_q = jnp.where(x_scale[:, None] > 0, jnp.clip(jnp.round(x * inv[:, None]), -steps, steps), 0)
+    if act_bits == 8:
+        acc = jnp.einsum("mi,oi->mo", x_q.astype(jnp.int8), w_q, preferred_element_type=jnp.int32)  # [M, O]
+        dot = acc.astype(jnp.float32)
+    else:
+        (m, i), o = x.shape, w_q.shape[0]
+        # [.., I / 32 chunks, 4 128-bit blocks, 4 lanes, 2 of a pair] -> int32 lanes [M, O, 4, 4]
+        lanes = jnp.einsum("mkbjp,okbjp->mobj", x_q.astype(jnp.int32).reshape(m, i // 32, 4, 4, 2),
+                           w_q.astype(jnp.int32).reshape(o, i // 32, 4, 4, 2)).astype(jnp.float32)
+        s = (lanes[..., 0] + lanes[..., 2]) + (lanes[..., 1] + lanes[..., 3])  # [M, O, 4]
+        dot = (s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])
+    return dot * x_scale[:, None] * w_scale.astype(jnp.float32)[None, :]
 
 
 def matmul_bf16_reference(x, w):
