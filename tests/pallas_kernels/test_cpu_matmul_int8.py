@@ -34,7 +34,7 @@ def random_inputs(m, o, i, seed):
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 33, cpu_matmul.INT8_MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 33, cpu_matmul.INT8_MAX_ROWS])
 @pytest.mark.parametrize("o,i", [(832, 576), (576, 1536), (7, 64), (50, 128), (4096, 576)])
 def test_matches_the_reference(m, o, i, act_bits):
     """Row tiles of 1-4 rows (M = 1, 2, 3, 5, 33), a last output block that is partial (O = 50,
