@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import kv_quant
+
 NEG_INF = float("-inf")
 
 
@@ -24,8 +26,15 @@ def compute_dtype(q_dtype, page_dtype):
     """Dtype the kernels feed their dots: the pages' dtype. bf16 pages: q is rounded to bf16
     (as a bf16 KV cache is read everywhere: the MXU / tensor cores' native input, one pass,
     K and V tiles never widened); f32 pages: f32 (a bf16 q widened, exact). The dots
-    accumulate in f32 either way, and the softmax state is f32."""
-    del q_dtype  # the output keeps q's dtype; the dot inputs follow the pages
+    accumulate in f32 either way, and the softmax state is f32.
+
+    Quantized pages (int8 / float8_e4m3fn, kv_quant.QuantizedPages): q's dtype. The kernels
+    feed the dots the raw page values (every int8 and e4m3fn value is exact in bf16 and f32)
+    and apply the per-token scales outside them: K's to the scores' columns, V's to the
+    probabilities' columns, both in f32. An f32 q: f32 dots (exact up to f32 rounding); a
+    bf16 q: bf16 dots, only the scaled probabilities rounded to bf16 (as with bf16 pages)."""
+    if kv_quant.is_quantized(page_dtype):
+        return jnp.dtype(q_dtype)
     return jnp.dtype(page_dtype)
 
 

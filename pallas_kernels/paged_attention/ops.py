@@ -23,9 +23,13 @@ Dtypes: q and the pages each float32 or bfloat16. Softmax and accumulation run i
 everywhere; the output has q's dtype. bf16 pages with an f32 q (the engine's bf16 KV cache):
 the Pallas kernels feed their dots bf16 (q rounded, common.compute_dtype), the native kernel
 and the jnp paths widen the pages to f32. Quantized pages (int8 / float8_e4m3fn with float16
-scales per token and head, kv_quant.QuantizedPages) are dequantized as each path reads them
-(the native kernel in its inner loop, the jnp paths per gathered chunk); the Pallas kernels do
-not take them yet ("auto" picks "chunked" on TPU and GPU).
+scales per token and head, kv_quant.QuantizedPages) are dequantized as each path reads them,
+never as a whole pool: the native kernel in its inner loop, the jnp paths per gathered chunk,
+the Pallas kernels per compute block (the scale pages fetched beside the data pages through
+the same block table: gathered on GPU, DMA'd into VMEM on TPU), their dots fed the raw int8 /
+e4m3fn values in q's dtype (exact in f32 and bf16) with the K scales applied to the scores and
+the V scales to the probabilities in f32 (common.compute_dtype). "auto" picks the Pallas
+kernels for them as for float pages (TPU: page size a multiple of 32, the 8-bit tile).
 """
 from __future__ import annotations
 
@@ -82,9 +86,6 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl):
         _check_float("k_pages", k_pages)
     elif not isinstance(k_pages, kv_quant.QuantizedPages) or not isinstance(v_pages, kv_quant.QuantizedPages):
         raise TypeError(f"{k_pages.dtype} pages must come as kv_quant.QuantizedPages (the pages with their scales)")
-    elif impl.startswith("pallas"):
-        raise ValueError(f"impl={impl!r} does not take quantized ({k_pages.dtype}) pages yet; use 'chunked', "
-                         "'ragged', 'reference' or (CPU) 'native'")
     _check_int32("block_tables", block_tables)
     _check_int32("kv_lens", kv_lens)
     s, _, h, d = q.shape
@@ -107,8 +108,6 @@ def _resolve(impl, q_dtype, page_size, page_dtype):
     """Concrete implementation name for this call (backend read at trace time)."""
     backend = jax.default_backend()
     if impl == "auto":
-        if kv_quant.is_quantized(page_dtype) and backend != "cpu":
-            return "chunked"  # the Pallas kernels do not dequantize pages yet
         if backend == "tpu":
             return "pallas_tpu" if tpu_supported(page_size, page_dtype) else "chunked"
         if backend in GPU_BACKENDS:
@@ -135,23 +134,25 @@ def _tpu_interpret():
 
 
 def _decode(impl, q, k_pages, v_pages, block_tables, kv_lens, scale):
-    """q [S, H, D] through a Pallas decode kernel."""
+    """q [S, H, D] through a Pallas decode kernel (quantized pages with their scales)."""
+    (k, k_scales), (v, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
     if impl.startswith("pallas_tpu"):
         interpret = _tpu_interpret() if impl.endswith("interpret") else False
-        return paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens,
-                                          scale=scale, interpret=interpret)
-    return paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scale=scale,
-                                      interpret=impl.endswith("interpret"))
+        return paged_decode_attention_tpu(q, k, v, block_tables, kv_lens, scale=scale, interpret=interpret,
+                                          k_scales=k_scales, v_scales=v_scales)
+    return paged_decode_attention_gpu(q, k, v, block_tables, kv_lens, scale=scale,
+                                      interpret=impl.endswith("interpret"), k_scales=k_scales, v_scales=v_scales)
 
 
 def _prefill(impl, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
-    """q [S, Q, H, D], Q > 1, through a Pallas prefill kernel."""
+    """q [S, Q, H, D], Q > 1, through a Pallas prefill kernel (quantized pages with their scales)."""
+    (k, k_scales), (v, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
     if impl.startswith("pallas_tpu"):
         interpret = _tpu_interpret() if impl.endswith("interpret") else False
-        return paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens,
-                                           scale=scale, interpret=interpret)
-    return paged_prefill_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens,
-                                       scale=scale, interpret=impl.endswith("interpret"))
+        return paged_prefill_attention_tpu(q, k, v, block_tables, kv_lens, q_lens, scale=scale,
+                                           interpret=interpret, k_scales=k_scales, v_scales=v_scales)
+    return paged_prefill_attention_gpu(q, k, v, block_tables, kv_lens, q_lens, scale=scale,
+                                       interpret=impl.endswith("interpret"), k_scales=k_scales, v_scales=v_scales)
 
 
 def _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):

@@ -6,6 +6,13 @@ dynamic trip count (no work past kv_lens). The G query heads of kv head h are th
 one [R, Dp] tile (R = G padded to >= 16 and Dp = D padded to a power of two >= 16, as
 tl.dot needs), so each K/V page is loaded once per kv head. Each program writes a
 normalized partial output and its log-sum-exp; the splits are merged in jnp afterwards.
+
+Quantized pages (int8 / float8_e4m3fn data with float16 scales [Hkv, NB, BS], passed as
+k_scales / v_scales): each step gathers the scales of its P pages through the same page ids
+as the data ([P, BS] -> a [T] f32 row, masked rows 0), feeds the dots the raw page values
+cast to the compute dtype (q's: exact for int8 and e4m3fn), and dequantizes on the fly:
+scores[:, t] *= k_scale[t] before masking, and p[:, t] * v_scale[t] goes into the P.V dot;
+the softmax state and the accumulator stay f32. The pool is never dequantized as a whole.
 """
 from __future__ import annotations
 
@@ -56,8 +63,41 @@ def load_pages(ref, head, ids, rows_ok, dim_p: int, dtype):
         lane, mask = jnp.minimum(lane, d - 1), mask & (lane < d)
     # else keep the plain range so Triton sees contiguous, vectorizable lanes
     mask = jnp.broadcast_to(mask, (p, bs, dim_p))
-    x = plgpu.load(ref.at[head, ids[:, None, None], slot, lane], mask=mask, other=0.0)
+    x = plgpu.load(ref.at[head, ids[:, None, None], slot, lane], mask=mask,
+                   other=jnp.zeros((), ref.dtype))
     return x.reshape(p * bs, dim_p).astype(dtype)
+
+
+def load_scales(ref, head, ids, rows_ok):
+    """Gather the scales of pages ids [P] of kv head `head` from ref [Hkv, NB, BS] (float16)
+    as a [1, P * BS] f32 row (the key order of load_pages); rows_ok [P, BS] False -> 0."""
+    bs = ref.shape[2]
+    slot = jnp.arange(bs, dtype=jnp.int32)[None, :]  # [1, BS]
+    x = plgpu.load(ref.at[head, ids[:, None], slot], mask=rows_ok, other=jnp.zeros((), ref.dtype))
+    return x.reshape(1, ids.shape[0] * bs).astype(jnp.float32)
+
+
+def split_refs(refs, quantized: bool):
+    """(k scales ref, v scales ref, *the rest) of a kernel's refs after k_ref, v_ref: the
+    scales come first when the pages are quantized, else (None, None, *refs)."""
+    return tuple(refs) if quantized else (None, None, *refs)
+
+
+def scale_scores(scores, ks_ref, head, ids, rows_ok):
+    """Dequantize K on the fly: scores [R, T] times the keys' scales (no-op for plain pages)."""
+    return scores if ks_ref is None else scores * load_scales(ks_ref, head, ids, rows_ok)
+
+
+def scale_probs(pr, vs_ref, head, ids, rows_ok):
+    """Dequantize V on the fly: p [R, T] times the values' scales (no-op for plain pages)."""
+    return pr if vs_ref is None else pr * load_scales(vs_ref, head, ids, rows_ok)
+
+
+def scale_inputs(k_scales, v_scales):
+    """(extra operands, their BlockSpecs) for the scales of quantized pages (whole arrays)."""
+    if k_scales is None:
+        return (), []
+    return (k_scales, v_scales), [pl.BlockSpec(), pl.BlockSpec()]
 
 
 def dot_precision(dtype):
@@ -68,9 +108,10 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
             lens_ref,  # [S] int32 (whole)
             q_ref,  # [R, Dp] block
             k_ref, v_ref,  # [Hkv, NB, BS, D] (whole)
-            o_ref,  # [R, Dp] f32 block: normalized partial output
-            lse_ref,  # [R] f32 block: log-sum-exp of the partial
-            *, scale, pages_per_block, pages_per_split, max_blocks):
+            *refs,  # [k_scales, v_scales ([Hkv, NB, BS] f16, whole; quantized pages),]
+            # o_ref: [R, Dp] f32 block, normalized partial output; lse_ref: [R] f32 block
+            scale, pages_per_block, pages_per_split, max_blocks, quantized):
+    ks_ref, vs_ref, o_ref, lse_ref = split_refs(refs, quantized)
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, nb, bs, d = k_ref.shape
     rows, dp = q_ref.shape
@@ -94,10 +135,12 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
         k = load_pages(k_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         v = load_pages(v_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         scores = plgpu.dot(q, k, trans_b=True, precision=prec) * scale  # [R, T] f32
+        scores = scale_scores(scores, ks_ref, h, ids, rows_ok)
         tok = page0 * bs + jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
         scores = common.mask_scores(scores, tok, kv_len)
 
         def pv(pr):  # [R, T] f32 -> [R, Dp] f32
+            pr = scale_probs(pr, vs_ref, h, ids, rows_ok)
             return plgpu.dot(pr.astype(v.dtype), v, precision=prec)
 
         return common.softmax_step(m, l, acc, scores, pv, keepdims=False)
@@ -113,10 +156,13 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
 
 def paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, *, scale,
                                pages_per_compute_block=None, num_splits=None,
-                               num_warps=4, num_stages=2, interpret=False):
+                               num_warps=4, num_stages=2, interpret=False,
+                               k_scales=None, v_scales=None):
     """q [S, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens [S] -> [S, H, D].
 
     Unvalidated kernel entry (see ops.paged_decode_attention); BS must be a power of two.
+    Quantized pages: k_pages / v_pages int8 or float8_e4m3fn with k_scales / v_scales
+    [Hkv, NB, BS] float16 (both or neither), dequantized as each page is read.
     """
     s, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -133,8 +179,9 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, *, sc
     qf = common.fold_decode_q(q, hkv, rows, dp, cdt)  # [S, Hkv, R, Dp]
     bt = jnp.pad(block_tables, ((0, 0), (0, ksplit * pps - mb)))  # [S, K * PS]
     whole = pl.BlockSpec()  # full array; the kernel indexes it
+    scale_ops, scale_specs = scale_inputs(k_scales, v_scales)
     kernel = functools.partial(_kernel, scale=float(scale), pages_per_block=p,
-                               pages_per_split=pps, max_blocks=mb)
+                               pages_per_split=pps, max_blocks=mb, quantized=bool(scale_ops))
     o, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((s, hkv, ksplit, rows, dp), jnp.float32),
@@ -142,12 +189,12 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, *, sc
         grid=(s, hkv, ksplit),
         in_specs=[whole, whole,
                   pl.BlockSpec((None, None, rows, dp), lambda i, j, k: (i, j, 0, 0)),
-                  whole, whole],
+                  whole, whole, *scale_specs],
         out_specs=(pl.BlockSpec((None, None, None, rows, dp), lambda i, j, k: (i, j, k, 0, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0))),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(bt, kv_lens, qf, k_pages, v_pages)
+    )(bt, kv_lens, qf, k_pages, v_pages, *scale_ops)
     out = common.merge_splits(o, lse)  # [S, Hkv, R, Dp]
     return common.unfold_decode_o(out, h, d).astype(q.dtype)

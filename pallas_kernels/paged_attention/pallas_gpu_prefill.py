@@ -9,6 +9,10 @@ tile's causal horizon (keys up to the last position of its last valid query),
 once per (kv head, query tile) and never past the horizon. Each program writes a normalized
 partial output and its log-sum-exp; with K > 1 splits (long prefixes, few tiles) they are
 merged in jnp afterwards, with K == 1 the partial is the answer.
+
+Quantized pages (k_scales / v_scales given) are dequantized per step exactly as in the
+decode kernel (pallas_gpu.py): scales gathered through the same page ids, applied to the
+scores' and probabilities' columns in f32.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import common
 from .pallas_gpu import (default_num_splits, default_pages_per_compute_block, dot_precision,
-                         load_pages, page_ids)
+                         load_pages, page_ids, scale_inputs, scale_probs, scale_scores,
+                         split_refs)
 
 
 def default_block_q(group_p: int, num_q: int, target_rows: int = 64) -> int:
@@ -37,9 +42,10 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
             kv_lens_ref, q_lens_ref,  # [S] int32 (whole)
             q_ref,  # [R, Dp] block, R = TQ * Gp
             k_ref, v_ref,  # [Hkv, NB, BS, D] (whole)
-            o_ref,  # [R, Dp] f32 block: normalized partial output
-            lse_ref,  # [R] f32 block: log-sum-exp of the partial
-            *, scale, group, block_q, pages_per_block, pages_per_split, max_blocks):
+            *refs,  # [k_scales, v_scales ([Hkv, NB, BS] f16, whole; quantized pages),]
+            # o_ref: [R, Dp] f32 block, normalized partial output; lse_ref: [R] f32 block
+            scale, group, block_q, pages_per_block, pages_per_split, max_blocks, quantized):
+    ks_ref, vs_ref, o_ref, lse_ref = split_refs(refs, quantized)
     s, h = pl.program_id(0), pl.program_id(1)
     tile, split = pl.program_id(2), pl.program_id(3)
     _, nb, bs, _ = k_ref.shape
@@ -65,10 +71,12 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
         k = load_pages(k_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         v = load_pages(v_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         scores = plgpu.dot(q, k, trans_b=True, precision=prec) * scale  # [R, T] f32
+        scores = scale_scores(scores, ks_ref, h, ids, rows_ok)
         tok = page0 * bs + jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
         scores = common.causal_mask(scores, row, tok, first_pos, n_valid, group)
 
         def pv(pr):  # [R, T] f32 -> [R, Dp] f32
+            pr = scale_probs(pr, vs_ref, h, ids, rows_ok)
             return plgpu.dot(pr.astype(v.dtype), v, precision=prec)
 
         return common.softmax_step(m, l, acc, scores, pv, keepdims=False)
@@ -84,12 +92,14 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
 
 def paged_prefill_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale,
                                 block_q=None, pages_per_compute_block=None, num_splits=None,
-                                num_warps=4, num_stages=2, interpret=False):
+                                num_warps=4, num_stages=2, interpret=False,
+                                k_scales=None, v_scales=None):
     """q [S, Q, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens / q_lens [S]
     -> [S, Q, H, D] (semantics of `paged_attention_reference`).
 
     Unvalidated kernel entry (see ops.paged_attention); BS must be a power of two. block_q
-    (query slots per tile) is rounded to a power of two giving >= 16 rows.
+    (query slots per tile) is rounded to a power of two giving >= 16 rows. Quantized pages:
+    int8 / float8_e4m3fn with k_scales / v_scales [Hkv, NB, BS] float16 (both or neither).
     """
     s, nq, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -111,8 +121,10 @@ def paged_prefill_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
     qf = common.fold_prefill_q(q, hkv, n_tiles * tq, gp, dp, cdt)  # [S, Hkv, Qp * Gp, Dp]
     bt = jnp.pad(block_tables, ((0, 0), (0, ksplit * pps - mb)))  # [S, K * PS]
     whole = pl.BlockSpec()  # full array; the kernel indexes it
+    scale_ops, scale_specs = scale_inputs(k_scales, v_scales)
     kernel = functools.partial(_kernel, scale=float(scale), group=gp, block_q=tq,
-                               pages_per_block=p, pages_per_split=pps, max_blocks=mb)
+                               pages_per_block=p, pages_per_split=pps, max_blocks=mb,
+                               quantized=bool(scale_ops))
     o, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((s, hkv, ksplit, n_tiles * rows, dp), jnp.float32),
@@ -120,13 +132,13 @@ def paged_prefill_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
         grid=(s, hkv, n_tiles, ksplit),
         in_specs=[whole, whole, whole,
                   pl.BlockSpec((None, None, rows, dp), lambda i, j, t, k: (i, j, t, 0)),
-                  whole, whole],
+                  whole, whole, *scale_specs],
         out_specs=(pl.BlockSpec((None, None, None, rows, dp),
                                 lambda i, j, t, k: (i, j, k, t, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda i, j, t, k: (i, j, k, t))),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_prefill_attention_gpu",
-    )(bt, kv_lens, q_lens, qf, k_pages, v_pages)
+    )(bt, kv_lens, q_lens, qf, k_pages, v_pages, *scale_ops)
     out = o[:, :, 0] if ksplit == 1 else common.merge_splits(o, lse)  # [S, Hkv, Qp * Gp, Dp]
     return common.unfold_prefill_o(out, nq, gp, h, d).astype(q.dtype)

@@ -6,6 +6,16 @@ walks only its sequence's valid pages, `pages_per_compute_block` pages per step 
 dynamic-trip-count loop, copying page by page into a two-slot VMEM buffer: block i + 1 is
 in flight while block i is computed. The G query heads of the kv head are the rows of one
 [R, D] tile (R = G padded to the sublane tile), so K/V are read once per kv head.
+
+Quantized pages (int8 / float8_e4m3fn data, k_scales / v_scales [Hkv, NB, BS] float16 in
+HBM beside them): each page's [BS] scale row is DMA'd with its data page, through the same
+block-table entry, into row j of a [2, P, BS] VMEM buffer (one row per page, the whole lane
+extent of the row, on its own semaphores). A compute block reads its [P, BS] scales as a
+[1, T] f32 row and dequantizes on the fly: the dots take the raw 8-bit values cast to the
+compute dtype (q's; exact), the scores' columns are multiplied by the K scales and the
+probabilities' columns by the V scales, in f32. Page size: a multiple of 32 (the 8-bit data
+tile's rows, `tpu_supported`). Not yet run on a TPU (interpret mode only): the [P, BS] ->
+[1, T] reshape is a small relayout Mosaic may lower slowly (or, for BS < 128, refuse).
 """
 from __future__ import annotations
 
@@ -26,7 +36,8 @@ def sublane_rows(dtype) -> int:
 
 
 def tpu_supported(page_size: int, page_dtype) -> bool:
-    """Pages land at row offsets j * BS of the VMEM buffer; keep them tile aligned."""
+    """Pages land at row offsets j * BS of the VMEM buffer; keep them tile aligned (8 rows
+    for f32, 16 for bf16, 32 for int8 / float8_e4m3fn pages)."""
     return page_size % sublane_rows(page_dtype) == 0
 
 
@@ -35,14 +46,18 @@ def default_pages_per_compute_block(page_size: int, max_blocks: int) -> int:
 
 
 def page_loop(bt_ref, seq, head, k_hbm, v_hbm, k_buf, v_buf, sems, *, n_pages, limit,
-              pages_per_block, max_blocks, step, init):
-    """Fold `step(i, k [T, D], v [T, D], carry)` over the compute blocks of P pages covering
-    logical pages [0, n_pages) of sequence `seq`, kv head `head` (T = P * BS).
+              pages_per_block, max_blocks, step, init, scales=None):
+    """Fold `step(i, k [T, D], v [T, D], ks, vs, carry)` over the compute blocks of P pages
+    covering logical pages [0, n_pages) of sequence `seq`, kv head `head` (T = P * BS).
 
     Pages are copied one by one from HBM into a two-slot VMEM buffer, block i + 1 in flight
     while block i is computed; only pages < n_pages are copied. V rows of tokens >= limit
     are zeroed (pages that were not copied hold stale data, and 0 * NaN would leak); K rows
     there are left as they are, so `step` must mask their scores.
+
+    scales: None (ks, vs are None) or (ks_hbm, vs_hbm [Hkv, NB, BS], ks_buf, vs_buf
+    [2, P, BS] VMEM, scale_sems [2, 2]) for quantized pages: each page's scale row is copied
+    with it; ks, vs are then the block's scales as [1, T] f32 rows (vs zeroed past limit).
     """
     bs = k_hbm.shape[2]
     p = pages_per_block
@@ -57,26 +72,32 @@ def page_loop(bt_ref, seq, head, k_hbm, v_hbm, k_buf, v_buf, sems, *, n_pages, l
             ok = page < n_pages
             pid = bt_ref[seq * max_blocks + jnp.minimum(page, max_blocks - 1)]
             dst = pl.ds(j * bs, bs)
-            kc = pltpu.make_async_copy(k_hbm.at[head, pid], k_buf.at[slot, dst],
-                                       sems.at[0, slot])
-            vc = pltpu.make_async_copy(v_hbm.at[head, pid], v_buf.at[slot, dst],
-                                       sems.at[1, slot])
-            out.append((ok, kc, vc))
+            copies = [pltpu.make_async_copy(k_hbm.at[head, pid], k_buf.at[slot, dst],
+                                            sems.at[0, slot]),
+                      pltpu.make_async_copy(v_hbm.at[head, pid], v_buf.at[slot, dst],
+                                            sems.at[1, slot])]
+            if scales is not None:  # the page's [BS] scale rows, into row j
+                ks_hbm, vs_hbm, ks_buf, vs_buf, scale_sems = scales
+                copies += [pltpu.make_async_copy(ks_hbm.at[head, pid], ks_buf.at[slot, j],
+                                                 scale_sems.at[0, slot]),
+                           pltpu.make_async_copy(vs_hbm.at[head, pid], vs_buf.at[slot, j],
+                                                 scale_sems.at[1, slot])]
+            out.append((ok, copies))
         return out
 
     def start(i, slot):
-        for ok, kc, vc in page_copies(i, slot):
+        for ok, copies in page_copies(i, slot):
             @pl.when(ok)
             def _():
-                kc.start()
-                vc.start()
+                for c in copies:
+                    c.start()
 
     def wait(i, slot):
-        for ok, kc, vc in page_copies(i, slot):
+        for ok, copies in page_copies(i, slot):
             @pl.when(ok)
             def _():
-                kc.wait()
-                vc.wait()
+                for c in copies:
+                    c.wait()
 
     start(0, 0)
 
@@ -92,7 +113,14 @@ def page_loop(bt_ref, seq, head, k_hbm, v_hbm, k_buf, v_buf, sems, *, n_pages, l
         v = v_buf[slot]
         v_tok = i * t + lax.broadcasted_iota(jnp.int32, v.shape, 0)
         v = jnp.where(v_tok < limit, v, jnp.zeros_like(v))
-        return step(i, k, v, carry)
+        ks = vs = None
+        if scales is not None:
+            ks_buf, vs_buf = scales[2], scales[3]
+            ks = ks_buf[slot].astype(jnp.float32).reshape(1, t)  # [P, BS] -> [1, T]
+            vs = vs_buf[slot].astype(jnp.float32).reshape(1, t)
+            s_tok = i * t + lax.broadcasted_iota(jnp.int32, vs.shape, 1)
+            vs = jnp.where(s_tok < limit, vs, 0.0)
+        return step(i, k, v, ks, vs, carry)
 
     return lax.fori_loop(0, n_blocks, body, init)
 
@@ -103,18 +131,23 @@ def dot_precision(dtype):
 
 def attend_step(q, scale, mask):
     """Online-softmax step for the rows of q [R, D] against a [T, D] K/V block; `mask(i,
-    scores)` masks the [R, T] scores of block i."""
+    scores)` masks the [R, T] scores of block i. ks, vs: None, or the block's K / V scales
+    as [1, T] f32 rows (quantized pages: k and v hold the raw 8-bit values)."""
     prec = dot_precision(q.dtype)
 
-    def step(i, k, v, carry):
+    def step(i, k, v, ks, vs, carry):
         m, l, acc = carry
         k = k.astype(q.dtype)
         v = v.astype(q.dtype)
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                  preferred_element_type=jnp.float32) * scale  # [R, T]
+        if ks is not None:
+            scores = scores * ks  # dequantize K: each key's column times its scale
         scores = mask(i, scores)
 
         def pv(pr):  # [R, T] f32 -> [R, D] f32
+            if vs is not None:
+                pr = pr * vs  # dequantize V: each value's weight times its scale
             return lax.dot_general(pr.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                    precision=prec, preferred_element_type=jnp.float32)
 
@@ -128,13 +161,34 @@ def init_carry(rows, dim):
             jnp.zeros((rows, dim), jnp.float32))
 
 
+def scale_operands(k_scales, v_scales, pages_per_block, page_size):
+    """(extra operands, their specs, extra scratch) for the scales of quantized pages: the
+    scale pools stay in HBM, a [2, P, BS] VMEM buffer each and a [2, 2] DMA semaphore."""
+    if k_scales is None:
+        return (), [], []
+    buf = (2, pages_per_block, page_size)
+    return ((k_scales, v_scales), [pl.BlockSpec(memory_space=pl.ANY)] * 2,
+            [pltpu.VMEM(buf, k_scales.dtype), pltpu.VMEM(buf, v_scales.dtype),
+             pltpu.SemaphoreType.DMA((2, 2))])
+
+
+def split_refs(refs, quantized: bool):
+    """Kernel refs after k_hbm, v_hbm -> (o_ref, k_buf, v_buf, sems, scales or None)."""
+    if not quantized:
+        o_ref, k_buf, v_buf, sems = refs
+        return o_ref, k_buf, v_buf, sems, None
+    ks_hbm, vs_hbm, o_ref, k_buf, v_buf, sems, ks_buf, vs_buf, scale_sems = refs
+    return o_ref, k_buf, v_buf, sems, (ks_hbm, vs_hbm, ks_buf, vs_buf, scale_sems)
+
+
 def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
             q_ref,  # VMEM [R, D]
             k_hbm, v_hbm,  # HBM [Hkv, NB, BS, D]
-            o_ref,  # VMEM [R, D]
-            k_buf, v_buf,  # VMEM [2, T, D], T = P * BS
-            sems,  # DMA semaphores [2 (k/v), 2 (slot)]
-            *, scale, pages_per_block, max_blocks):
+            *refs,  # [k_scales, v_scales: HBM [Hkv, NB, BS] f16 (quantized pages),]
+            # o_ref: VMEM [R, D]; k_buf, v_buf: VMEM [2, T, D], T = P * BS; sems: DMA
+            # semaphores [2 (k/v), 2 (slot)]; [ks_buf, vs_buf: VMEM [2, P, BS]; scale sems]
+            scale, pages_per_block, max_blocks, quantized):
+    o_ref, k_buf, v_buf, sems, scales = split_refs(refs, quantized)
     s, h = pl.program_id(0), pl.program_id(1)
     bs = k_hbm.shape[2]
     t = pages_per_block * bs
@@ -150,17 +204,19 @@ def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
     m, l, acc = page_loop(bt_ref, s, h, k_hbm, v_hbm, k_buf, v_buf, sems, n_pages=n_pages,
                           limit=kv_len, pages_per_block=pages_per_block,
                           max_blocks=max_blocks, step=attend_step(q, scale, mask),
-                          init=init_carry(rows, d))
+                          init=init_carry(rows, d), scales=scales)
     out, _ = common.finalize(m, l, acc, keepdims=True)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
 def paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, *, scale,
-                               pages_per_compute_block=None, interpret=False):
+                               pages_per_compute_block=None, interpret=False,
+                               k_scales=None, v_scales=None):
     """q [S, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens [S] -> [S, H, D].
 
     Unvalidated kernel entry (see ops.paged_decode_attention). `interpret` may be a bool
-    or a `pltpu.InterpretParams`.
+    or a `pltpu.InterpretParams`. Quantized pages: int8 / float8_e4m3fn with k_scales /
+    v_scales [Hkv, NB, BS] float16 (both or neither), dequantized per compute block.
     """
     s, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -170,7 +226,9 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, *, sc
     cdt = common.compute_dtype(q.dtype, k_pages.dtype)
     rows = common.round_up(g, sublane_rows(cdt))
     qf = common.fold_decode_q(q, hkv, rows, d, cdt)  # [S, Hkv, R, D]
-    kernel = functools.partial(_kernel, scale=float(scale), pages_per_block=p, max_blocks=mb)
+    scale_ops, scale_specs, scale_scratch = scale_operands(k_scales, v_scales, p, bs)
+    kernel = functools.partial(_kernel, scale=float(scale), pages_per_block=p, max_blocks=mb,
+                               quantized=bool(scale_ops))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(s, hkv),
@@ -178,12 +236,14 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, *, sc
             pl.BlockSpec((None, None, rows, d), lambda i, j, *_: (i, j, 0, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
+            *scale_specs,
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda i, j, *_: (i, j, 0, 0)),
         scratch_shapes=[
             pltpu.VMEM((2, p * bs, d), k_pages.dtype),
             pltpu.VMEM((2, p * bs, d), v_pages.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
+            *scale_scratch,
         ],
     )
     out = pl.pallas_call(
@@ -193,5 +253,5 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, *, sc
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="paged_decode_attention_tpu",
-    )(block_tables.reshape(-1), kv_lens, qf, k_pages, v_pages)  # [S, Hkv, R, D]
+    )(block_tables.reshape(-1), kv_lens, qf, k_pages, v_pages, *scale_ops)  # [S, Hkv, R, D]
     return common.unfold_decode_o(out, h, d)

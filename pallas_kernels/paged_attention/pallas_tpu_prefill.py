@@ -7,7 +7,8 @@ and q_lens arrive by scalar prefetch; the page pools stay in HBM. The tile walks
 pages its causal horizon needs (keys [0, last position of its last valid query]),
 `pages_per_compute_block` pages per step, double-buffered exactly as the decode kernel
 (`pallas_tpu.page_loop`), with the online softmax of common.py. A tile with no valid query
-copies nothing and writes zeros.
+copies nothing and writes zeros. Quantized pages (k_scales / v_scales given): the scale rows
+are DMA'd beside the pages and applied per compute block exactly as in the decode kernel.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import common
 from .pallas_tpu import (attend_step, default_pages_per_compute_block, init_carry, page_loop,
-                         sublane_rows)
+                         scale_operands, split_refs, sublane_rows)
 
 
 def default_block_q(group: int, num_q: int, target_rows: int = 128) -> int:
@@ -36,10 +37,11 @@ def default_block_q(group: int, num_q: int, target_rows: int = 128) -> int:
 def _kernel(bt_ref, kv_lens_ref, q_lens_ref,  # SMEM: [S * MB], [S], [S]
             q_ref,  # VMEM [R, D], R = TQ * G
             k_hbm, v_hbm,  # HBM [Hkv, NB, BS, D]
-            o_ref,  # VMEM [R, D]
-            k_buf, v_buf,  # VMEM [2, T, D], T = P * BS
-            sems,  # DMA semaphores [2 (k/v), 2 (slot)]
-            *, scale, group, block_q, pages_per_block, max_blocks):
+            *refs,  # [k_scales, v_scales: HBM [Hkv, NB, BS] f16 (quantized pages),]
+            # o_ref: VMEM [R, D]; k_buf, v_buf: VMEM [2, T, D], T = P * BS; sems: DMA
+            # semaphores [2 (k/v), 2 (slot)]; [ks_buf, vs_buf: VMEM [2, P, BS]; scale sems]
+            scale, group, block_q, pages_per_block, max_blocks, quantized):
+    o_ref, k_buf, v_buf, sems, scales = split_refs(refs, quantized)
     s, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bs = k_hbm.shape[2]
     t = pages_per_block * bs
@@ -55,19 +57,22 @@ def _kernel(bt_ref, kv_lens_ref, q_lens_ref,  # SMEM: [S * MB], [S], [S]
 
     m, l, acc = page_loop(bt_ref, s, h, k_hbm, v_hbm, k_buf, v_buf, sems, n_pages=n_pages,
                           limit=end, pages_per_block=pages_per_block, max_blocks=max_blocks,
-                          step=attend_step(q, scale, mask), init=init_carry(rows, d))
+                          step=attend_step(q, scale, mask), init=init_carry(rows, d),
+                          scales=scales)
     out, _ = common.finalize(m, l, acc, keepdims=True)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
 def paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale,
-                                block_q=None, pages_per_compute_block=None, interpret=False):
+                                block_q=None, pages_per_compute_block=None, interpret=False,
+                                k_scales=None, v_scales=None):
     """q [S, Q, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens / q_lens [S]
     -> [S, Q, H, D] (semantics of `paged_attention_reference`).
 
     Unvalidated kernel entry (see ops.paged_attention). `block_q` (query slots per tile) is
     rounded up so a tile fills whole sublane tiles; `interpret` may be a bool or a
-    `pltpu.InterpretParams`.
+    `pltpu.InterpretParams`. Quantized pages: int8 / float8_e4m3fn with k_scales / v_scales
+    [Hkv, NB, BS] float16 (both or neither), dequantized per compute block.
     """
     s, nq, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -80,8 +85,9 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
     rows = tq * g
     p = pages_per_compute_block or default_pages_per_compute_block(bs, mb)
     qf = common.fold_prefill_q(q, hkv, n_tiles * tq, g, d, cdt)  # [S, Hkv, Qp * G, D]
+    scale_ops, scale_specs, scale_scratch = scale_operands(k_scales, v_scales, p, bs)
     kernel = functools.partial(_kernel, scale=float(scale), group=g, block_q=tq,
-                               pages_per_block=p, max_blocks=mb)
+                               pages_per_block=p, max_blocks=mb, quantized=bool(scale_ops))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(s, hkv, n_tiles),
@@ -89,12 +95,14 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
             pl.BlockSpec((None, None, rows, d), lambda i, j, t, *_: (i, j, t, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
+            *scale_specs,
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda i, j, t, *_: (i, j, t, 0)),
         scratch_shapes=[
             pltpu.VMEM((2, p * bs, d), k_pages.dtype),
             pltpu.VMEM((2, p * bs, d), v_pages.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
+            *scale_scratch,
         ],
     )
     out = pl.pallas_call(
@@ -105,5 +113,5 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
             dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="paged_prefill_attention_tpu",
-    )(block_tables.reshape(-1), kv_lens, q_lens, qf, k_pages, v_pages)
+    )(block_tables.reshape(-1), kv_lens, q_lens, qf, k_pages, v_pages, *scale_ops)
     return common.unfold_prefill_o(out, nq, g, h, d)
