@@ -153,3 +153,40 @@ def test_auto_picks_pallas_for_quantized_pages(monkeypatch):
     assert ops._resolve("auto", jnp.float32, 16, jnp.int8) == "chunked"  # 16-row 8-bit pages
     monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
     assert ops._resolve("auto", jnp.float32, 24, jnp.int8) == "chunked"  # not a power of two
+
+
+@pytest.mark.parametrize("qname", list(QDTYPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_lowers_for_device(kind, qname, monkeypatch):
+    """Lower (not compile) the decode and prefill kernels on quantized pages for their
+    platform from any host: Pallas lowering rules (Triton / Mosaic); compiling needs the device."""
+    from jax import export
+
+    from pallas_kernels.paged_attention.pallas_gpu import paged_decode_attention_gpu
+    from pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
+    from pallas_kernels.paged_attention.pallas_tpu import paged_decode_attention_tpu
+    from pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
+
+    s, nq, bs, nb, qdt = 2, 8, 32, 16, jnp.bfloat16
+    pages = jax.ShapeDtypeStruct((HKV, nb, bs, D), QDTYPES[qname])
+    scales = jax.ShapeDtypeStruct((HKV, nb, bs), jnp.float16)
+    tables, lens = jax.ShapeDtypeStruct((s, MB), jnp.int32), jax.ShapeDtypeStruct((s,), jnp.int32)
+    if kind == "gpu":
+        fns, platform = (paged_decode_attention_gpu, paged_prefill_attention_gpu), "cuda"
+        checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    else:
+        fns, platform, checks = (paged_decode_attention_tpu, paged_prefill_attention_tpu), "tpu", []
+        if jax.default_backend() != "tpu":  # Mosaic lowering asks the host for a TPU kind
+            try:
+                from jax._src.pallas.mosaic import tpu_info
+            except ImportError:
+                pytest.skip("private tpu_info unavailable")
+            monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                                lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    decode = lambda q, k, v, ks, vs, t, n: fns[0](q, k, v, t, n, scale=0.1, k_scales=ks, v_scales=vs)
+    prefill = lambda q, k, v, ks, vs, t, n: fns[1](q, k, v, t, n, n, scale=0.1, k_scales=ks, v_scales=vs)
+    for fn, q in ((decode, jax.ShapeDtypeStruct((s, HKV * G, D), qdt)),
+                  (prefill, jax.ShapeDtypeStruct((s, nq, HKV * G, D), qdt))):
+        exp = export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+            q, pages, pages, scales, scales, tables, lens)
+        assert ("xla.gpu.triton" if kind == "gpu" else "tpu_custom_call") in exp.mlir_module()
