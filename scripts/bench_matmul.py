@@ -20,6 +20,15 @@ does). The int8 kernel (either mode) runs at every row count asked for (supporte
 INT8_MAX_ROWS, chosen from this table). Each cell: median ms of --iters calls [min - max], --repeats times over (the rows in turn).
 
     python scripts/bench_matmul.py --dtype int8 --rows 1,8,16,32 --iters 15 --repeats 3
+
+--dtype fp8: the same stack with float8_e4m3fn weights and a float32 scale per output row (what
+quantization="fp8" stores): the fp8 kernel ("fp8", matmul_fp8: the weights widened to bf16 in
+registers, vdpbf16ps) against the bf16 native kernel and XLA's bf16 dot on bf16 weights, and
+"xla-fp8" (x and w_q converted to bf16 in the call, XLA's bf16 dot, then w_scale: what runs
+without the kernel). The fp8 kernel runs at every row count asked for (supported() offers it up
+to FP8_MAX_ROWS, chosen from this table).
+
+    python scripts/bench_matmul.py --dtype fp8 --rows 1,8,16,32,64 --iters 15 --repeats 3
 """
 from __future__ import annotations
 
@@ -86,20 +95,29 @@ def quantize(w):
     return jnp.asarray(np.clip(np.round(w / scale[:, None]), -127, 127), jnp.int8), jnp.asarray(scale, jnp.float32)
 
 
+def quantize_fp8(w):
+    """w [O, I] float32 -> (w_q [O, I] float8_e4m3fn, w_scale [O] float32): per output row, max |w| -> 448."""
+    scale = np.maximum(np.abs(w).max(axis=1), 1e-12) / 448
+    return jnp.asarray(w / scale[:, None], jnp.float8_e4m3fn), jnp.asarray(scale, jnp.float32)
+
+
 def int8_main(args) -> None:
-    """The int8 kernel (16- and 8-bit activations) against the bf16 native kernel and XLA's bf16 dot (and xla-deq), side by side."""
+    """The int8 kernel (16- and 8-bit activations) or the fp8 kernel (--dtype fp8) against the
+    bf16 native kernel and XLA's bf16 dot (and xla-deq / xla-fp8), side by side."""
+    fp8 = args.dtype == "fp8"
     rng = np.random.default_rng(0)
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     floats = [[(rng.standard_normal(s) * 0.02).astype(np.float32) for s in shapes] for _ in range(LAYERS)]
     head_f = (rng.standard_normal((VOCAB, HIDDEN)) * 0.02).astype(np.float32)
     bf16 = [[jnp.asarray(w, jnp.bfloat16) for w in ws] for ws in floats]
     head_bf16 = jnp.asarray(head_f, jnp.bfloat16)
-    q8 = [[quantize(w) for w in ws] for ws in floats]
-    head_q8 = quantize(head_f)
+    q8 = [[(quantize_fp8 if fp8 else quantize)(w) for w in ws] for ws in floats]
+    head_q8 = (quantize_fp8 if fp8 else quantize)(head_f)
     del floats, head_f
     mb = lambda ws: sum(a.size * a.dtype.itemsize for w in ws for a in (w if isinstance(w, tuple) else (w,))) / 1e6
-    print(f"int8: {cpu_matmul.int8_available()}, AVX512-BF16: {cpu_matmul.available()}; layers "
-          f"{mb([w for ws in q8 for w in ws]):.0f} MB int8 / {mb([w for ws in bf16 for w in ws]):.0f} MB bf16, "
+    kind = "fp8" if fp8 else "int8"
+    print(f"{kind}: {cpu_matmul.fp8_available() if fp8 else cpu_matmul.int8_available()}, AVX512-BF16: {cpu_matmul.available()}; layers "
+          f"{mb([w for ws in q8 for w in ws]):.0f} MB {kind} / {mb([w for ws in bf16 for w in ws]):.0f} MB bf16, "
           f"head {mb([head_q8]):.0f} / {mb([head_bf16]):.0f} MB")
     xla_bf16 = lambda x, w: jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
     paths = {  # name: (matmul on (x, weights), layer weights, head weights, serves(rows))
@@ -111,6 +129,13 @@ def int8_main(args) -> None:
         "xla-bf16": (xla_bf16, bf16, head_bf16, lambda m: True),
         "xla-deq": (lambda x, w: xla_bf16(x, w[0].astype(jnp.bfloat16)) * w[1], q8, head_q8, lambda m: True),
     }
+    if fp8:
+        paths = {
+            "fp8": (lambda x, w: cpu_matmul.matmul_fp8(x, *w), q8, head_q8, lambda m: cpu_matmul.fp8_available()),
+            "bf16-native": paths["bf16-native"],
+            "xla-bf16": paths["xla-bf16"],
+            "xla-fp8": paths["xla-deq"],  # x and w_q in bf16, XLA's dot, then w_scale (matmul_fp8_reference)
+        }
     paths = {p: paths[p] for p in args.paths.split(",")} if args.paths else paths
     rows = [int(r) for r in args.rows.split(",")]
     cell = lambda t: f"{np.median(t):7.2f} [{t.min():6.2f}-{t.max():6.2f}]"
@@ -134,11 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16,32,64,512")
     p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"])
-    p.add_argument("--repeats", type=int, default=1, help="--dtype int8: rounds over the rows")
-    p.add_argument("--paths", default="", help="--dtype int8: a subset of int8-a16,int8,bf16-native,xla-bf16,xla-deq")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "fp8"])
+    p.add_argument("--repeats", type=int, default=1, help="--dtype int8 / fp8: rounds over the rows")
+    p.add_argument("--paths", default="", help="--dtype int8: a subset of int8-a16,int8,bf16-native,xla-bf16,xla-deq; fp8: of fp8,bf16-native,xla-bf16,xla-fp8")
     args = p.parse_args(argv)
-    if args.dtype == "int8":
+    if args.dtype in ("int8", "fp8"):
         return int8_main(args)
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)

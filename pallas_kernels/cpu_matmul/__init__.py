@@ -22,8 +22,14 @@ both scales; bit for bit `matmul_int8_reference`. act_bits=16: x quantized per r
 instead (x_scale = max|x[m]| / 32767; relative error ~1.5e-5, the quality of weight-only int8),
 the weights sign-extended to int16 as read, the dot on vpdpwssd (s16 pairs -> s32 lanes, exact
 for I <= INT8_A16_MAX_IN), the 16 lanes summed in float32 by a fixed tree; also bit for bit
-its reference. `matmul_quantized(x, w_q, w_scale)` picks the path for w_q's dtype (int8 only;
-`supported(m, i, o, jnp.int8)`), with 16-bit activations unless told act_bits=8.
+its reference.
+`matmul_fp8(x, w_q, w_scale)` (cpu_matmul_fp8.cc, AVX512-BF16) serves float8_e4m3fn weights
+with a float32 scale per output row at decode-sized M (FP8_MAX_ROWS): each 32 weights widened
+to bf16 in registers (exact: every e4m3fn value is a bf16), x rounded to bf16, the dot on
+vdpbf16ps in f32, then w_scale; `matmul_fp8_reference` up to the order of the f32 sums.
+`matmul_quantized(x, w_q, w_scale)` picks the path for w_q's dtype (int8: 16-bit activations
+unless told act_bits=8; float8_e4m3fn: act_bits does not apply, x is taken in bf16);
+`supported(m, i, o, w_q.dtype)` says whether one serves a shape.
 Needs a C++ compiler (built at first use, pallas_kernels/native_build.py).
 PAGEDJAX_NATIVE_MATMUL=0 turns the kernels off, PAGEDJAX_AMX=0 the AMX path.
 
@@ -68,6 +74,13 @@ INT8_MAX_ROWS = 64
 # = 8388352 in magnitude, exact for I <= 8192 (256 * 8388352 = 2147418112 < 2^31); `supported`
 # refuses larger I for int8 weights (matmul_quantized's default is 16-bit activations)
 INT8_A16_MAX_IN = 8192
+FP8_SOURCE = Path(__file__).with_name("cpu_matmul_fp8.cc")
+_FP8_TARGET, _FP8_SYMBOL = "pagedjax_matmul_fp8", "MatmulFP8"
+# fp8 path (AVX512-BF16); larger M: the caller's dot. 30-layer stack, median wall ms
+# (scripts/bench_matmul.py --dtype fp8, 2-core AMD EPYC, Zen 4), fp8 kernel / bf16 native kernel /
+# XLA's bf16 dot on bf16 weights / XLA on the fp8 weights (x, w_q to bf16): 13.7 / 25.4 / 245 / 228
+# at 1 row, 27.4 / 40.7 / 43.2 / 152 at 16, 47.0 / 59.8 / 62.5 / 169 at 32, 85.4 / - / 102 / 208 at 64.
+FP8_MAX_ROWS = 64
 HEAD_MAX_ROWS = 32  # AMX / AVX512-BF16 path on a wide vocab head: from ~48 rows XLA's dot (AMX too) is faster
 log = logging.getLogger(__name__)
 
@@ -103,6 +116,11 @@ def _int8_lib() -> ctypes.CDLL | None:
     return _load(INT8_SOURCE, [(_INT8_TARGET, _INT8_SYMBOL)], {"avx512_vnni", "avx512bw"}, "int8")
 
 
+@functools.cache
+def _fp8_lib() -> ctypes.CDLL | None:
+    return _load(FP8_SOURCE, [(_FP8_TARGET, _FP8_SYMBOL)], {"avx512_bf16", "avx512bw"}, "fp8")
+
+
 def available() -> bool:
     """True when the AVX512-BF16 kernel is built and registered with XLA (one build per process)."""
     return _bf16_lib() is not None
@@ -118,6 +136,11 @@ def int8_available() -> bool:
     return _int8_lib() is not None
 
 
+def fp8_available() -> bool:
+    """True when the float8_e4m3fn kernel is built and registered (a CPU with AVX512-BF16)."""
+    return _fp8_lib() is not None
+
+
 @functools.cache
 def amx_available() -> bool:
     """True when the kernel is built and Linux grants this process the AMX tile state."""
@@ -131,11 +154,14 @@ def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
     bf16 with AVX512-BF16: i % 32 == 0, and with AMX o % 16 == 0 and m <= AMX_MAX_ROWS, else
     m <= MAX_ROWS and o % 4 == 0. Otherwise (float32 always) the AVX2 path: m at most
     AVX2_MAX_ROWS[dtype] and i % 8 == 0. int8 (w_q for `matmul_quantized`, either act_bits):
-    m <= INT8_MAX_ROWS, i % 64 == 0, i <= INT8_A16_MAX_IN, any o. Other dtypes (float8 ...): none."""
+    m <= INT8_MAX_ROWS, i % 64 == 0, i <= INT8_A16_MAX_IN, any o. float8_e4m3fn (w_q for
+    `matmul_quantized`): m <= FP8_MAX_ROWS, i % 32 == 0, any o. Other dtypes: none."""
     if m <= 0 or jax.default_backend() != "cpu":
         return False
     if jnp.dtype(dtype) == jnp.int8:
         return m <= INT8_MAX_ROWS and i % 64 == 0 and i <= INT8_A16_MAX_IN and int8_available()
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        return m <= FP8_MAX_ROWS and i % 32 == 0 and fp8_available()
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
         return False
     if jnp.dtype(dtype) == jnp.float32 or not available():
@@ -148,11 +174,13 @@ def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
 
 
 def target(dtype) -> str | None:
-    """The custom-call target that `matmul` (int8: `matmul_quantized`) runs for weights of
+    """The custom-call target that `matmul` (int8, float8_e4m3fn: `matmul_quantized`) runs for weights of
     `dtype` here (None: XLA's dot)."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.int8:
         return _INT8_TARGET if int8_available() else None
+    if dtype == jnp.float8_e4m3fn:
+        return _FP8_TARGET if fp8_available() else None
     if dtype == jnp.bfloat16 and available():
         return _TARGET
     if dtype.name in _AVX2_TARGETS and avx2_available():
@@ -161,11 +189,13 @@ def target(dtype) -> str | None:
 
 
 def max_rows(dtype) -> int:
-    """The most rows `matmul` (int8: `matmul_quantized`, either act_bits) takes for weights of
+    """The most rows `matmul` (int8, float8_e4m3fn: `matmul_quantized`; int8 either act_bits) takes for weights of
     `dtype` here (0: none)."""
     name = target(dtype)
     if name == _INT8_TARGET:
         return INT8_MAX_ROWS
+    if name == _FP8_TARGET:
+        return FP8_MAX_ROWS
     if name == _TARGET:
         return AMX_MAX_ROWS if amx_available() else MAX_ROWS
     return AVX2_MAX_ROWS[jnp.dtype(dtype).name] if name else 0
@@ -253,11 +283,43 @@ def matmul_int8(x, w_q, w_scale, act_bits: int = 8):
 
 def matmul_quantized(x, w_q, w_scale, act_bits: int = 16):
     """x [M, I] @ (w_q [O, I] * w_scale [O, None])^T -> [M, O] float32 on the native path that
-    serves w_q's dtype here (int8: `matmul_int8`, 16-bit activations unless act_bits=8; check
-    `supported(m, i, o, w_q.dtype)` first)."""
+    serves w_q's dtype here (int8: `matmul_int8`, 16-bit activations unless act_bits=8;
+    float8_e4m3fn: `matmul_fp8`, x in bf16, act_bits checked but not used); check
+    `supported(m, i, o, w_q.dtype)` first."""
+    if jnp.dtype(w_q.dtype) == jnp.float8_e4m3fn:
+        _check_act_bits(act_bits, "matmul_quantized")
+        return matmul_fp8(x, w_q, w_scale)
     if jnp.dtype(w_q.dtype) != jnp.int8:
-        raise ValueError(f"matmul_quantized: no native path for {w_q.dtype} weights (int8 only)")
+        raise ValueError(f"matmul_quantized: no native path for {w_q.dtype} weights (int8 or float8_e4m3fn only)")
     return matmul_int8(x, w_q, w_scale, act_bits=act_bits)
+
+
+def matmul_fp8(x, w_q, w_scale):
+    """x [M, I] float32 (or bf16), w_q [O, I] float8_e4m3fn, w_scale [O] float32 -> [M, O]
+    float32 = (x rounded to bf16) . w_q^T in f32, times w_scale: `matmul_fp8_reference` up to
+    the order of the f32 sums (NaN codes give NaN); I % 32 == 0, any M (`supported` offers
+    M <= FP8_MAX_ROWS) and O."""
+    if (x.ndim != 2 or w_q.ndim != 2 or w_scale.ndim != 1 or x.shape[1] != w_q.shape[1]
+            or w_scale.shape[0] != w_q.shape[0]):
+        raise ValueError(f"matmul_fp8: x [M, I], w_q [O, I] and w_scale [O], got {x.shape}, {w_q.shape}, "
+                         f"{w_scale.shape}")
+    if jnp.dtype(w_q.dtype) != jnp.float8_e4m3fn or not jnp.issubdtype(x.dtype, jnp.floating) or not (
+            jnp.issubdtype(w_scale.dtype, jnp.floating)):
+        raise ValueError(f"matmul_fp8: x float, w_q float8_e4m3fn and w_scale float, got {x.dtype}, {w_q.dtype}, "
+                         f"{w_scale.dtype}")
+    if x.shape[1] % 32:
+        raise ValueError(f"matmul_fp8: I must be a multiple of 32, got {x.shape[1]}")
+    if not fp8_available():
+        raise RuntimeError("matmul_fp8 needs a CPU with AVX512-BF16 and a C++ compiler (see fp8_available())")
+    call = jax.ffi.ffi_call(_FP8_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w_q, w_scale.astype(jnp.float32))
+
+
+def matmul_fp8_reference(x, w_q, w_scale):
+    """What matmul_fp8 computes, in jnp: x and w_q in bf16 (w_q exactly), the dot in f32, then w_scale."""
+    dot = jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w_q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return dot * w_scale.astype(jnp.float32)[None, :]
 
 
 def matmul_int8_reference(x, w_q, w_scale, act_bits: int = 8):
