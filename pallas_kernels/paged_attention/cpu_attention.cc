@@ -576,8 +576,9 @@ ffi::Error PagedAttentionQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
                                    ffi::ResultBuffer<ffi::F32> out) {
   if constexpr (std::is_same_v<PageBuf, ffi::AnyBuffer>) {
-    if (k_pages.element_type() != ffi::F8E4M3FN || v_pages.element_type() != ffi::F8E4M3FN)
-      return ffi::Error::InvalidArgument("paged attention: pages must be f8e4m3fn");
+    auto fp8 = [](ffi::DataType t) { return t == ffi::F8E4M3FN || t == ffi::U8; };  // U8: the e4m3fn bytes
+    if (!fp8(k_pages.element_type()) || !fp8(v_pages.element_type()))
+      return ffi::Error::InvalidArgument("paged attention: pages must be f8e4m3fn (or its bytes, u8)");
   }
   return RunAttention<P>(pool, q, k_pages, v_pages, &k_scales, &v_scales, block_tables, kv_lens, q_starts,
                              q_lens, scale, out);

@@ -31,8 +31,9 @@ _TARGETS = {"float32": ("pagedjax_paged_attention_f32", "PagedAttentionF32"),  #
             "bfloat16": ("pagedjax_paged_attention_bf16", "PagedAttentionBF16"),
             "int8": ("pagedjax_paged_attention_int8", "PagedAttentionInt8"),  # + k / v scales
             "float8_e4m3fn": ("pagedjax_paged_attention_fp8", "PagedAttentionFP8")}
+_TARGETS_BY_STORAGE = {**_TARGETS, "uint8": _TARGETS["float8_e4m3fn"]}  # fp8 pools kept as bytes (kv_quant.py)
 _Q_DTYPES = ("float32", "bfloat16")
-_QUANTIZED = ("int8", "float8_e4m3fn")  # kv_quant.QUANTIZED_KV_DTYPES
+_QUANTIZED = ("int8", "float8_e4m3fn", "uint8")  # kv_quant.QUANTIZED_KV_DTYPES; uint8: fp8 pages as their bytes
 _WRITE_TARGET = ("pagedjax_kv_write_bf16", "PagedKVWriteBF16")
 _COPY_TARGET = ("pagedjax_copy_blocks_bf16", "PagedCopyBlocksBF16")
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts
     page = jnp.dtype(k_pages.dtype).name
     if jnp.dtype(v_pages.dtype).name != page:
         raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ")
-    target, _ = _TARGETS[page]
+    target, _ = _TARGETS_BY_STORAGE[page]
     quantized = page in _QUANTIZED
     if quantized != (k_scales is not None) or quantized != (v_scales is not None):
         raise ValueError(f"{page} pages: k_scales and v_scales are {'required' if quantized else 'not taken'}")
