@@ -62,6 +62,7 @@ def run_config(model, quantization, kv_cache_dtype, args) -> dict:
     if args.speed:
         decode = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
         prompts = [f"{p} and then" for p in PROMPTS]
+        llm.wait_for_warmup()  # every step shape compiled: no compile thread beside the timed runs
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm
         rates = []
         for _ in range(args.repeats):
