@@ -306,5 +306,9 @@ def test_serve_banner_of_a_real_engine(tiny_model_dir):
     engine = LLMEngine(str(tiny_model_dir), max_model_len=64, block_size=8, num_blocks=32, dtype="float32")
     tokens = 32 * 8
     gib = tokens * engine.kv_bytes_per_token / 2**30
-    assert engine_banner(engine) == f"{tiny_model_dir.name} (dtype float32, KV pool {tokens:,} tokens / {gib:.2f} GiB)"
+    assert engine_banner(engine) == (f"{tiny_model_dir.name} (dtype float32, KV float32, KV pool {tokens:,} tokens / "
+                                     f"{gib:.2f} GiB)")
+    quantized = LLMEngine(str(tiny_model_dir), max_model_len=64, block_size=8, num_blocks=32, dtype="float32",
+                          quantization="int8", kv_cache_dtype="int8")
+    assert "(dtype float32, weights int8, KV int8, KV pool 256 tokens" in engine_banner(quantized)
     assert engine_banner(engine, "tiny").startswith(f"{tiny_model_dir.name} as 'tiny' (dtype float32")

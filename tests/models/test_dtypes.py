@@ -51,6 +51,8 @@ def test_kv_cache_dtype():
     assert resolve_kv_cache_dtype("float32", jnp.bfloat16) == jnp.float32
     assert resolve_kv_cache_dtype("bfloat16", jnp.float32) == jnp.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        resolve_kv_cache_dtype("int8", jnp.float32)
+        resolve_kv_cache_dtype("int4", jnp.float32)
+    assert resolve_kv_cache_dtype("int8", jnp.float32) == jnp.int8
+    assert resolve_kv_cache_dtype("fp8", jnp.bfloat16) == jnp.float8_e4m3fn
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         resolve_dtype("fp8")

@@ -138,9 +138,9 @@ def test_supported_and_targets():
     assert not cpu_matmul.supported(16, 96, 832, jnp.int8)  # I % 64
     i_max = cpu_matmul.INT8_A16_MAX_IN
     assert cpu_matmul.supported(1, i_max, 8, jnp.int8) and not cpu_matmul.supported(1, i_max + 64, 8, jnp.int8)
-    assert not cpu_matmul.supported(16, 576, 832, jnp.float8_e4m3fn)
+    assert not cpu_matmul.supported(16, 576, 832, jnp.float8_e5m2)  # fp8 e4m3: test_cpu_matmul_fp8.py
     assert cpu_matmul.target(jnp.int8) == "pagedjax_matmul_int8" and cpu_matmul.max_rows(jnp.int8) == limit
-    assert cpu_matmul.target(jnp.float8_e4m3fn) is None and cpu_matmul.max_rows(jnp.float8_e4m3fn) == 0
+    assert cpu_matmul.target(jnp.float8_e5m2) is None and cpu_matmul.max_rows(jnp.float8_e5m2) == 0
 
 
 def test_errors():
@@ -159,8 +159,8 @@ def test_errors():
         matmul_int8(jnp.ones((2, 128)), w_q, w_scale)
     with pytest.raises(ValueError, match="multiple of 64"):
         matmul_int8(x[:, :48], w_q[:, :48], w_scale)
-    with pytest.raises(ValueError, match="int8 only"):
-        matmul_quantized(x, w_q.astype(jnp.float8_e4m3fn), w_scale)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn only"):
+        matmul_quantized(x, w_q.astype(jnp.float8_e5m2), w_scale)
     for bad in (4, 32, 0, "16", True):
         with pytest.raises(ValueError, match="act_bits must be 8 or 16"):
             matmul_int8(x, w_q, w_scale, act_bits=bad)

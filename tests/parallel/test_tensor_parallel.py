@@ -139,3 +139,22 @@ def test_preemption_under_tp2_gives_the_same_outputs(results):
 def test_draft_model_under_data_parallel_takes_every_rank(results):
     case = results["draft_dp2"]
     assert case["draft"] == case["plain"] and case["accepted"] > 0 and case["pools_whole"]
+
+
+def test_int8_weights_and_kv_under_tp(results):
+    """quantization="int8" + kv_cache_dtype="int8" split over tp=2: the fused qkv's scales are
+    split with its output rows, the row-parallel down projection's scales replicated; the KV
+    pool (pages and scales) halves per device; same log-probs as tp=1 up to the order of the
+    partial sums (tp=1 may take the native decode kernel, tp=2 XLA's dot; a K or V value that
+    moves by float32 rounding may round to the next int8 step, hence the looser bound)."""
+    one, two = results["int8_tp1"], results["int8_tp2"]
+    llama_qkv_rows = (4 + 2 * 2) * 16  # (H + 2 Hkv) D
+    assert one["scale_shards"]["wqkv"] == [[llama_qkv_rows]]
+    assert two["scale_shards"]["wqkv"] == [[llama_qkv_rows // 2]] * 2
+    assert two["scale_shards"]["w_down"] == [[64]] * 2  # [E] whole on each device
+    for b in two["memory"]["kv_per_device"].values():
+        assert b == one["memory"]["kv_total"] // 2
+    diff = [abs(a - b) for a, b in zip(one["prompt_logprobs"], two["prompt_logprobs"])]
+    assert max(diff) < 0.02, diff
+    same = sum(a == b for a, b in zip(one["tokens"], two["tokens"]))
+    assert same >= 2, (one["tokens"], two["tokens"])

@@ -54,7 +54,7 @@ def processors(llm):
 def memory(llm):
     s = llm.stats()
     total_w = sum(x.nbytes for x in _leaves(llm.engine.runner.state))
-    total_kv = sum(x.nbytes for x in llm.engine.runner.kv)
+    total_kv = sum(x.nbytes for x in _leaves(llm.engine.runner.kv))  # an 8-bit pool: pages and scales
     return {"weights_per_device": s["weight_bytes_per_device"], "kv_per_device": s["kv_pool_bytes_per_device"],
             "weights_total": total_w, "kv_total": total_kv}
 
@@ -99,6 +99,18 @@ def main(out_dir: Path) -> dict:
     for tp in (1, 2):  # bf16 matrices and KV cache; under tp the o / down partial sums are f32
         llm = LLM(llama, tensor_parallel_size=tp, dtype="bfloat16", **UNCOUNTED)
         res[f"bf16_tp{tp}"] = {"tokens": greedy(llm), "kv_dtype": str(llm.engine.runner.kv[0].dtype)}
+        del llm
+    for tp in (1, 2):  # int8 weights (scales sharded with their rows) and an int8 KV cache (scales with the heads)
+        llm = LLM(llama, tensor_parallel_size=tp, quantization="int8", kv_cache_dtype="int8", **UNCOUNTED)
+        layer = llm.engine.model.layers[0]
+        out = llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        res[f"int8_tp{tp}"] = {
+            "tokens": greedy(llm), "memory": memory(llm),
+            "prompt_logprobs": [out.prompt_logprobs[i][t] for i, t in enumerate(PROMPTS[1]) if i],
+            "scale_shards": {"wqkv": [list(x.data.shape) for x in layer.attn.wqkv_scale[...].addressable_shards],
+                             "w_down": [list(x.data.shape) for x in layer.mlp.w_down_scale[...].addressable_shards]},
+        }
         del llm
     for tp in (1, 2):  # a pool too small for all three: the newest requests are preempted and recomputed
         small = dict(UNCOUNTED, num_blocks=7)
