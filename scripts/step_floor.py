@@ -51,12 +51,14 @@ def matmul_floor_ms(model, rows: int = 16, iters: int = 30) -> float:
     q_width, inter = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
     names = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
 
-    def param(layer, name):
+    def param(layer, name):  # (weight, its scale or None: quantized weights, models/quantization.py)
         mod, attr = name.split(".")
-        return getattr(getattr(layer, mod), attr)[...]
+        scale = getattr(getattr(layer, mod), f"{attr}_scale")
+        return getattr(getattr(layer, mod), attr)[...], None if scale is None else scale[...]
 
     if model.scan_layers:  # stacked [L, ...]
-        weights = [tuple(param(model.layers, n)[i] for n in names) for i in range(cfg.num_layers)]
+        weights = [tuple(jax.tree.map(lambda a: a[i], param(model.layers, n)) for n in names)
+                   for i in range(cfg.num_layers)]
     else:
         weights = [tuple(param(layer, n) for n in names) for layer in model.layers]
     head = model.embed[...] if model.lm_head is None else model.lm_head[...]
@@ -65,11 +67,12 @@ def matmul_floor_ms(model, rows: int = 16, iters: int = 30) -> float:
 
     @jax.jit
     def chain(weights, head, x):
+        mm = lambda x, w: linear(x, w[0], native, w[1], model.dtype)  # noqa: E731
         for wqkv, wo, w_gate_up, w_down in weights:
-            qkv = linear(x, wqkv, native)
-            x = x + linear(qkv[:, :q_width], wo, native)
-            gu = linear(x, w_gate_up, native)
-            x = x + linear(gu[:, :inter] * gu[:, inter:], w_down, native)
+            qkv = mm(x, wqkv)
+            x = x + mm(qkv[:, :q_width], wo)
+            gu = mm(x, w_gate_up)
+            x = x + mm(gu[:, :inter] * gu[:, inter:], w_down)
         return linear(x, head, model.native_head)
 
     x = jnp.ones((rows, cfg.hidden_size), jnp.float32)
@@ -87,6 +90,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="HF model dir (default: random SmolLM2-135M-shaped Llama)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--prompt-len", type=int, default=128)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
@@ -100,12 +105,15 @@ def main() -> None:
             model_dir = tmp
             make_random_checkpoint(Path(tmp))
         engine = LLMEngine(model_dir, stream_text=False, max_num_seqs=args.rows, max_model_len=512,
-                           enable_prefix_caching=False, dtype=args.dtype)
+                           enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization,
+                           kv_cache_dtype=args.kv_cache_dtype)
         engine.warmup(progress=False)
         prompts = np.random.default_rng(0).integers(3, 1000, (args.rows, args.prompt_len)).tolist()
         step = decode_step_ms(engine, prompts)
         floor = matmul_floor_ms(engine.model, args.rows)
-    print(f"{args.dtype}: decode step {step:.1f} ms at {args.rows} rows; its matmuls alone {floor:.1f} ms "
+    what = ", ".join(x for x in (args.dtype, args.quantization and f"{args.quantization} weights",
+                                 args.kv_cache_dtype != "auto" and f"{args.kv_cache_dtype} KV") if x)
+    print(f"{what}: decode step {step:.1f} ms at {args.rows} rows; its matmuls alone {floor:.1f} ms "
           f"({100 * floor / step:.0f}%)")
 
 
