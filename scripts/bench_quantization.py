@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,6 +97,8 @@ def main(argv=None) -> None:
 
         model = str(Path(tempfile.mkdtemp()) / "random-smollm2")
         make_random_checkpoint(Path(model))
+        for f in default_model_path().glob("*token*"):  # the same vocabulary: the default model's tokenizer
+            shutil.copy(f, model)
     names = args.configs.split(",")
     if names[0] != "base":
         names = ["base", *[n for n in names if n != "base"]]
