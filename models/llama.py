@@ -71,7 +71,7 @@ def quantized_linear(x, w_q, scale, native: bool, compute_dtype):
     x and w_q in compute_dtype (the model dtype: int8 and e4m3 values are exact in bf16),
     float32 accumulation, the scale applied to the output columns."""
     if native and x.ndim == 2 and cpu_matmul.supported(x.shape[0], w_q.shape[1], w_q.shape[0], w_q.dtype):
-        return cpu_matmul.matmul_quantized(x, w_q, scale)
+        return cpu_matmul.matmul_quantized(x, w_q, scale, x_dtype=compute_dtype)
     y = jnp.einsum("...i,oi->...o", x.astype(compute_dtype), w_q.astype(compute_dtype),
                    preferred_element_type=jnp.float32, precision=_f32_precision(compute_dtype))
     return y * scale

@@ -12,11 +12,13 @@ a shape prints "-".
     python scripts/bench_matmul.py [--rows 1,8,16,32,64,512] [--iters 7] [--dtype bfloat16]
 
 --dtype int8: the same stack with per-output-channel int8 weights (w_q [O, I] int8, w_scale
-[O] float32; 106 MB, head 28 MB): the int8 kernel with 16-bit activations ("int8-a16",
-matmul_int8(act_bits=16), vpdpwssd: what matmul_quantized runs) and as W8A8 ("int8", act_bits=8,
+[O] float32; 106 MB, head 28 MB): the bf16-dot kernel ("int8-bf16", matmul_int8_bf16: the
+weights widened to bf16 in registers, x rounded to bf16, vdpbf16ps; what matmul_quantized runs
+for a bf16 model), the int8 kernel with 16-bit activations ("int8-a16", matmul_int8(act_bits=16),
+vpdpwssd: what matmul_quantized runs for a float32 model) and as W8A8 ("int8", act_bits=8,
 vpdpbusd) on AVX512-VNNI against the bf16 native kernel (AVX512-BF16) and XLA's bf16 dot on bf16 weights, and "xla-deq" (w_q
 widened to bf16 in the call, XLA's bf16 dot, then w_scale: what a caller without the kernel
-does). The int8 kernel (either mode) runs at every row count asked for (supported() offers it up to
+does). The int8 kernels (each mode) run at every row count asked for (supported() offers it up to
 INT8_MAX_ROWS, chosen from this table). Each cell: median ms of --iters calls [min - max], --repeats times over (the rows in turn).
 
     python scripts/bench_matmul.py --dtype int8 --rows 1,8,16,32 --iters 15 --repeats 3
@@ -121,6 +123,8 @@ def int8_main(args) -> None:
           f"head {mb([head_q8]):.0f} / {mb([head_bf16]):.0f} MB")
     xla_bf16 = lambda x, w: jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
     paths = {  # name: (matmul on (x, weights), layer weights, head weights, serves(rows))
+        "int8-bf16": (lambda x, w: cpu_matmul.matmul_int8_bf16(x, *w), q8, head_q8,
+                      lambda m: cpu_matmul.int8_bf16_available()),  # any M here, past INT8_MAX_ROWS too
         "int8-a16": (lambda x, w: cpu_matmul.matmul_int8(x, *w, act_bits=16), q8, head_q8,
                      lambda m: cpu_matmul.int8_available()),  # any M here, past INT8_MAX_ROWS too
         "int8": (lambda x, w: cpu_matmul.matmul_int8(x, *w, act_bits=8), q8, head_q8,
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "fp8"])
     p.add_argument("--repeats", type=int, default=1, help="--dtype int8 / fp8: rounds over the rows")
-    p.add_argument("--paths", default="", help="--dtype int8: a subset of int8-a16,int8,bf16-native,xla-bf16,xla-deq; fp8: of fp8,bf16-native,xla-bf16,xla-fp8")
+    p.add_argument("--paths", default="", help="--dtype int8: a subset of int8-bf16,int8-a16,int8,bf16-native,xla-bf16,xla-deq; fp8: of fp8,bf16-native,xla-bf16,xla-fp8")
     args = p.parse_args(argv)
     if args.dtype in ("int8", "fp8"):
         return int8_main(args)

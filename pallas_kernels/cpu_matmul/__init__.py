@@ -27,14 +27,24 @@ its reference.
 with a float32 scale per output row at decode-sized M (FP8_MAX_ROWS): each 32 weights widened
 to bf16 in registers (exact: every e4m3fn value is a bf16), x rounded to bf16, the dot on
 vdpbf16ps in f32, then w_scale; `matmul_fp8_reference` up to the order of the f32 sums.
-`matmul_quantized(x, w_q, w_scale)` picks the path for w_q's dtype (int8: 16-bit activations
-unless told act_bits=8; float8_e4m3fn: act_bits does not apply, x is taken in bf16);
-`supported(m, i, o, w_q.dtype)` says whether one serves a shape.
+`matmul_int8_bf16(x, w_q, w_scale)` (the same source, the kernel templated on the weight
+format) does the same for int8 weights: each 32 widened to bf16 in registers (exact: every
+int8 is a bf16), x rounded to bf16, vdpbf16ps, then w_scale; `matmul_int8_bf16_reference` up
+to the order of the f32 sums. For a bf16 model this loses nothing (its x is bf16 already) and
+runs faster than the 16-bit-activation kernel (fewer instructions per product on a CPU where
+vdpbf16ps and vpdpwssd take alike).
+`matmul_quantized(x, w_q, w_scale, x_dtype=...)` picks the path for w_q's dtype and the
+caller's compute dtype: int8 with x_dtype bfloat16 (the default): `matmul_int8_bf16` (where
+AVX512-BF16 is missing: the 16-bit-activation kernel); int8 with x_dtype float32 (or float16):
+`matmul_int8` with 16-bit activations (near-exact for a float32 model), or act_bits=8 when told;
+float8_e4m3fn: `matmul_fp8` either way (x is rounded to bf16 there, whatever x_dtype says).
+`supported(m, i, o, w_q.dtype)` says whether one serves a shape (for int8: both int8 kernels).
 Needs a C++ compiler (built at first use, pallas_kernels/native_build.py).
 PAGEDJAX_NATIVE_MATMUL=0 turns the kernels off, PAGEDJAX_AMX=0 the AMX path.
 
     y = matmul(jnp.ones((16, 576)), w)   # w: [1536, 576] bfloat16 or float32 -> y [16, 1536]
     y = matmul_quantized(jnp.ones((16, 576)), w_q, w_scale)   # w_q [1536, 576] int8, w_scale [1536]
+    y = matmul_quantized(x, w_q, w_scale, x_dtype=jnp.float32)   # a float32 model: x as int16
 """
 from __future__ import annotations
 
@@ -76,6 +86,7 @@ INT8_MAX_ROWS = 64
 INT8_A16_MAX_IN = 8192
 FP8_SOURCE = Path(__file__).with_name("cpu_matmul_fp8.cc")
 _FP8_TARGET, _FP8_SYMBOL = "pagedjax_matmul_fp8", "MatmulFP8"
+_INT8_BF16_TARGET, _INT8_BF16_SYMBOL = "pagedjax_matmul_int8_bf16", "MatmulInt8BF16"  # in FP8_SOURCE
 # fp8 path (AVX512-BF16); larger M: the caller's dot. 30-layer stack, median wall ms
 # (scripts/bench_matmul.py --dtype fp8, 2-core AMD EPYC, Zen 4), fp8 kernel / bf16 native kernel /
 # XLA's bf16 dot on bf16 weights / XLA on the fp8 weights (x, w_q to bf16): 13.7 / 25.4 / 245 / 228
@@ -118,7 +129,8 @@ def _int8_lib() -> ctypes.CDLL | None:
 
 @functools.cache
 def _fp8_lib() -> ctypes.CDLL | None:
-    return _load(FP8_SOURCE, [(_FP8_TARGET, _FP8_SYMBOL)], {"avx512_bf16", "avx512bw"}, "fp8")
+    return _load(FP8_SOURCE, [(_FP8_TARGET, _FP8_SYMBOL), (_INT8_BF16_TARGET, _INT8_BF16_SYMBOL)],
+                 {"avx512_bf16", "avx512bw"}, "fp8 / int8-bf16")
 
 
 def available() -> bool:
@@ -141,6 +153,12 @@ def fp8_available() -> bool:
     return _fp8_lib() is not None
 
 
+def int8_bf16_available() -> bool:
+    """True when the int8-weight bf16-dot kernel is built and registered (the fp8 kernel's
+    library: a CPU with AVX512-BF16)."""
+    return _fp8_lib() is not None
+
+
 @functools.cache
 def amx_available() -> bool:
     """True when the kernel is built and Linux grants this process the AMX tile state."""
@@ -153,8 +171,9 @@ def supported(m: int, i: int, o: int, dtype=jnp.bfloat16) -> bool:
     """A kernel serves x [m, i] . w [o, i]^T, w in `dtype`, here (CPU backend, kernel built).
     bf16 with AVX512-BF16: i % 32 == 0, and with AMX o % 16 == 0 and m <= AMX_MAX_ROWS, else
     m <= MAX_ROWS and o % 4 == 0. Otherwise (float32 always) the AVX2 path: m at most
-    AVX2_MAX_ROWS[dtype] and i % 8 == 0. int8 (w_q for `matmul_quantized`, either act_bits):
-    m <= INT8_MAX_ROWS, i % 64 == 0, i <= INT8_A16_MAX_IN, any o. float8_e4m3fn (w_q for
+    AVX2_MAX_ROWS[dtype] and i % 8 == 0. int8 (w_q for `matmul_quantized`, any x_dtype and
+    act_bits: every int8 kernel takes these): m <= INT8_MAX_ROWS, i % 64 == 0, i <= INT8_A16_MAX_IN,
+    any o. float8_e4m3fn (w_q for
     `matmul_quantized`): m <= FP8_MAX_ROWS, i % 32 == 0, any o. Other dtypes: none."""
     if m <= 0 or jax.default_backend() != "cpu":
         return False
@@ -281,17 +300,45 @@ def matmul_int8(x, w_q, w_scale, act_bits: int = 8):
     return call(x.astype(jnp.float32), w_q, w_scale.astype(jnp.float32), act_bits=np.int32(act_bits))
 
 
-def matmul_quantized(x, w_q, w_scale, act_bits: int = 16):
+def matmul_quantized(x, w_q, w_scale, act_bits: int = 16, x_dtype=jnp.bfloat16):
     """x [M, I] @ (w_q [O, I] * w_scale [O, None])^T -> [M, O] float32 on the native path that
-    serves w_q's dtype here (int8: `matmul_int8`, 16-bit activations unless act_bits=8;
-    float8_e4m3fn: `matmul_fp8`, x in bf16, act_bits checked but not used); check
-    `supported(m, i, o, w_q.dtype)` first."""
+    serves w_q's dtype and the caller's compute dtype x_dtype (bfloat16 or float32) here:
+    - int8, x_dtype bfloat16: `matmul_int8_bf16` (x rounded to bf16, bf16 dots; act_bits checked
+      but not used), or where that kernel is missing `matmul_int8` as for float32;
+    - int8, x_dtype float32 (or float16: any finer than bf16): `matmul_int8`, x quantized per
+      row to act_bits (16: near-exact);
+    - float8_e4m3fn: `matmul_fp8` for either x_dtype (x rounded to bf16; act_bits checked but
+      not used).
+    Check `supported(m, i, o, w_q.dtype)` first."""
+    _check_act_bits(act_bits, "matmul_quantized")
+    if not jnp.issubdtype(x_dtype, jnp.floating):
+        raise ValueError(f"matmul_quantized: x_dtype must be a float dtype (bfloat16, float32), got {x_dtype}")
     if jnp.dtype(w_q.dtype) == jnp.float8_e4m3fn:
-        _check_act_bits(act_bits, "matmul_quantized")
         return matmul_fp8(x, w_q, w_scale)
     if jnp.dtype(w_q.dtype) != jnp.int8:
         raise ValueError(f"matmul_quantized: no native path for {w_q.dtype} weights (int8 or float8_e4m3fn only)")
+    if jnp.dtype(x_dtype) == jnp.bfloat16 and int8_bf16_available():
+        return matmul_int8_bf16(x, w_q, w_scale)
     return matmul_int8(x, w_q, w_scale, act_bits=act_bits)
+
+
+def _matmul_bf16_dot(who: str, x, w_q, w_scale, dtype, target: str):
+    """The fp8 source's kernel for w_q in `dtype` (float8_e4m3fn or int8): checks, then the call."""
+    if (x.ndim != 2 or w_q.ndim != 2 or w_scale.ndim != 1 or x.shape[1] != w_q.shape[1]
+            or w_scale.shape[0] != w_q.shape[0]):
+        raise ValueError(f"{who}: x [M, I], w_q [O, I] and w_scale [O], got {x.shape}, {w_q.shape}, "
+                         f"{w_scale.shape}")
+    if jnp.dtype(w_q.dtype) != dtype or not jnp.issubdtype(x.dtype, jnp.floating) or not (
+            jnp.issubdtype(w_scale.dtype, jnp.floating)):
+        raise ValueError(f"{who}: x float, w_q {jnp.dtype(dtype).name} and w_scale float, got {x.dtype}, "
+                         f"{w_q.dtype}, {w_scale.dtype}")
+    if x.shape[1] % 32:
+        raise ValueError(f"{who}: I must be a multiple of 32, got {x.shape[1]}")
+    if not fp8_available():
+        raise RuntimeError(f"{who} needs a CPU with AVX512-BF16 and a C++ compiler (see fp8_available())")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w_q, w_scale.astype(jnp.float32))
 
 
 def matmul_fp8(x, w_q, w_scale):
@@ -299,27 +346,30 @@ def matmul_fp8(x, w_q, w_scale):
     float32 = (x rounded to bf16) . w_q^T in f32, times w_scale: `matmul_fp8_reference` up to
     the order of the f32 sums (NaN codes give NaN); I % 32 == 0, any M (`supported` offers
     M <= FP8_MAX_ROWS) and O."""
-    if (x.ndim != 2 or w_q.ndim != 2 or w_scale.ndim != 1 or x.shape[1] != w_q.shape[1]
-            or w_scale.shape[0] != w_q.shape[0]):
-        raise ValueError(f"matmul_fp8: x [M, I], w_q [O, I] and w_scale [O], got {x.shape}, {w_q.shape}, "
-                         f"{w_scale.shape}")
-    if jnp.dtype(w_q.dtype) != jnp.float8_e4m3fn or not jnp.issubdtype(x.dtype, jnp.floating) or not (
-            jnp.issubdtype(w_scale.dtype, jnp.floating)):
-        raise ValueError(f"matmul_fp8: x float, w_q float8_e4m3fn and w_scale float, got {x.dtype}, {w_q.dtype}, "
-                         f"{w_scale.dtype}")
-    if x.shape[1] % 32:
-        raise ValueError(f"matmul_fp8: I must be a multiple of 32, got {x.shape[1]}")
-    if not fp8_available():
-        raise RuntimeError("matmul_fp8 needs a CPU with AVX512-BF16 and a C++ compiler (see fp8_available())")
-    call = jax.ffi.ffi_call(_FP8_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32),
-                            vmap_method="sequential")
-    return call(x.astype(jnp.float32), w_q, w_scale.astype(jnp.float32))
+    return _matmul_bf16_dot("matmul_fp8", x, w_q, w_scale, jnp.float8_e4m3fn, _FP8_TARGET)
+
+
+def matmul_int8_bf16(x, w_q, w_scale):
+    """x [M, I] float32 (or bf16), w_q [O, I] int8, w_scale [O] float32 -> [M, O] float32 =
+    (x rounded to bf16) . w_q^T in f32, times w_scale: `matmul_int8_bf16_reference` up to the
+    order of the f32 sums; I % 32 == 0, any M (`supported` offers M <= INT8_MAX_ROWS) and O.
+    The fp8 kernel with int8 weights (widened to bf16 exactly); needs `int8_bf16_available()`."""
+    return _matmul_bf16_dot("matmul_int8_bf16", x, w_q, w_scale, jnp.int8, _INT8_BF16_TARGET)
+
+
+def _bf16_dot_reference(x, w_q, w_scale):
+    dot = jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w_q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return dot * w_scale.astype(jnp.float32)[None, :]
 
 
 def matmul_fp8_reference(x, w_q, w_scale):
     """What matmul_fp8 computes, in jnp: x and w_q in bf16 (w_q exactly), the dot in f32, then w_scale."""
-    dot = jnp.einsum("mi,oi->mo", x.astype(jnp.bfloat16), w_q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    return dot * w_scale.astype(jnp.float32)[None, :]
+    return _bf16_dot_reference(x, w_q, w_scale)
+
+
+def matmul_int8_bf16_reference(x, w_q, w_scale):
+    """What matmul_int8_bf16 computes, in jnp: x and w_q in bf16 (w_q exactly), the dot in f32, then w_scale."""
+    return _bf16_dot_reference(x, w_q, w_scale)
 
 
 def matmul_int8_reference(x, w_q, w_scale, act_bits: int = 8):

@@ -1,7 +1,8 @@
 """The native int8-weight matmul (pallas_kernels/cpu_matmul/cpu_matmul_int8.cc): bit for bit its
 jnp reference (x quantized per row, the integer dot exact), which is close to the float matmul
 against the dequantized weights; shapes, zero rows, jit, and the errors. Both activation modes:
-act_bits=8 (W8A8, vpdpbusd) and 16 (x as int16, vpdpwssd; matmul_quantized's default)."""
+act_bits=8 (W8A8, vpdpbusd) and 16 (x as int16, vpdpwssd; what matmul_quantized runs for
+x_dtype=float32; bf16 x: test_cpu_matmul_int8_bf16.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,9 +50,9 @@ def test_matches_the_reference(m, o, i, act_bits):
 
 def test_wide_head():
     x, w_q, w_scale = random_inputs(32, 49152 // 4, 576, seed=1)
-    np.testing.assert_array_equal(np.asarray(matmul_quantized(x, w_q, w_scale)),  # 16-bit activations
+    np.testing.assert_array_equal(np.asarray(matmul_quantized(x, w_q, w_scale, x_dtype=jnp.float32)),  # 16-bit
                                   np.asarray(matmul_int8_reference(x, w_q, w_scale, act_bits=16)))
-    np.testing.assert_array_equal(np.asarray(matmul_quantized(x, w_q, w_scale, act_bits=8)),
+    np.testing.assert_array_equal(np.asarray(matmul_quantized(x, w_q, w_scale, act_bits=8, x_dtype=jnp.float32)),
                                   np.asarray(matmul_int8_reference(x, w_q, w_scale)))
 
 
@@ -112,7 +113,7 @@ def test_16_bit_activations_are_close_to_the_float_matmul(m, o, i):
         x[:, :3] *= outliers
         want = x.astype(np.float64) @ dequantized.T
         rel = lambda a: np.linalg.norm(a - want) / np.linalg.norm(want)
-        got = np.asarray(matmul_quantized(jnp.asarray(x), w_q, w_scale))  # act_bits 16, the default
+        got = np.asarray(matmul_quantized(jnp.asarray(x), w_q, w_scale, x_dtype=jnp.float32))  # act_bits 16
         assert rel(got) < bound
         np.testing.assert_array_equal(got, np.asarray(matmul_int8_reference(jnp.asarray(x), w_q, w_scale, 16)))
         assert rel(np.asarray(matmul_int8(jnp.asarray(x), w_q, w_scale, act_bits=8))) > 50 * rel(got)
@@ -125,7 +126,7 @@ def test_in_a_jitted_graph():
     @jax.jit
     def f(x, w_q, w_scale):
         h = jnp.tanh(x)
-        return matmul_quantized(h.astype(jnp.bfloat16), w_q, w_scale) * 2 + 1
+        return matmul_quantized(h.astype(jnp.bfloat16), w_q, w_scale, x_dtype=jnp.float32) * 2 + 1
 
     want = matmul_int8_reference(jnp.tanh(x).astype(jnp.bfloat16), w_q, w_scale, act_bits=16) * 2 + 1
     np.testing.assert_allclose(np.asarray(f(x, w_q, w_scale)), np.asarray(want), rtol=1e-6, atol=1e-6)
