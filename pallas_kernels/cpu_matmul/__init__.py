@@ -79,6 +79,9 @@ _INT8_TARGET, _INT8_SYMBOL = "pagedjax_matmul_int8", "MatmulInt8"
 # sooner). 30-layer stack, wall ms (scripts/bench_matmul.py --dtype int8, 2-core AMD EPYC, Zen 4),
 # int8-a16 / W8A8 / XLA's bf16 dot: 14.6 / 11.6 / 23.6 at 16 rows, 44 / 28 / 56 at 64,
 # 158 / 93 / 82 at 128. (W8A8 alone was ahead of XLA to 256 rows by process CPU time.)
+# The bf16-dot kernel (matmul_int8_bf16, what a bf16 model runs) under the same limit: int8-bf16 /
+# int8-a16 / XLA's bf16 dot 84-87 / 84-87 / 106-108 at 64 rows, 38 / 35 / 47-60 at 16 (the same
+# script, a contended 2-core Zen 4: within noise of each other, both ahead of XLA at every row count).
 INT8_MAX_ROWS = 64
 # act_bits=16: a lane of an s32 accumulator sums I / 32 pair products of at most 2 * 32767 * 128
 # = 8388352 in magnitude, exact for I <= 8192 (256 * 8388352 = 2147418112 < 2^31); `supported`
