@@ -67,7 +67,9 @@ def linear(x, w, native: bool = False, scale=None, compute_dtype=jnp.bfloat16):
 
 def quantized_linear(x, w_q, scale, native: bool, compute_dtype):
     """x [..., in] @ (w_q [out, in] * scale [out, None]).T -> [..., out] float32. Decode-sized
-    x on a CPU with VNNI: the native int8 kernel (x quantized per row, integer sums). Else
+    x on the CPU: a native kernel (pallas_kernels.cpu_matmul.matmul_quantized: bf16 models
+    widen the 8-bit weights to bf16 in registers for bf16 dots, x rounded to bf16 as below;
+    float32 models with int8 weights quantize x per row to int16 for exact integer sums). Else
     x and w_q in compute_dtype (the model dtype: int8 and e4m3 values are exact in bf16),
     float32 accumulation, the scale applied to the output columns."""
     if native and x.ndim == 2 and cpu_matmul.supported(x.shape[0], w_q.shape[1], w_q.shape[0], w_q.dtype):
