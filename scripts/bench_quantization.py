@@ -6,11 +6,12 @@ For each configuration (weights: model dtype / int8 / fp8; KV cache: model dtype
   difference of the log-probabilities of a 512-token text scored with prompt_logprobs (echo);
 - capacity: KV tokens the pool holds at the same kv_cache_memory_gb;
 - speed: decode throughput at batch 16 (16 requests x OUTPUT tokens after a short prompt),
-  median of --repeats runs, with the spread; and the weight bytes.
+  median of --repeats runs, with the spread, the configurations' runs interleaved (every engine
+  kept alive); and the weight bytes.
 
     python scripts/bench_quantization.py                      # the default model
     python scripts/bench_quantization.py --random             # a random SmolLM2-shaped checkpoint
-    python scripts/bench_quantization.py --configs bf16,w8,kv8,w8kv8 --no-speed
+    python scripts/bench_quantization.py --configs base,w8,kv8,w8kv8 --no-speed
 """
 from __future__ import annotations
 
@@ -62,20 +63,23 @@ def run_config(model, quantization, kv_cache_dtype, args) -> dict:
     logprobs = np.array([entry[t] for entry, t in zip(scored.prompt_logprobs[1:], ids[1:])])
     stats = llm.stats()
     out = {"tokens": tokens, "logprobs": logprobs, "kv_tokens": stats["kv_tokens_capacity"],
-           "weight_mb": max(stats["weight_bytes_per_device"].values()) / 2 ** 20}
+           "weight_mb": max(stats["weight_bytes_per_device"].values()) / 2 ** 20, "tok_s": []}
     if args.speed:
-        decode = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
-        prompts = [f"{p} and then" for p in PROMPTS]
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm
-        rates = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            outs = llm.generate(prompts, decode, use_tqdm=False)
-            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
-        out["tok_s"] = rates
-    del llm
-    gc.collect()
+        out["llm"] = llm  # kept for the interleaved speed runs
+    else:
+        del llm
+        gc.collect()
     return out
+
+
+def decode_rate(llm, args) -> float:
+    """Output tok/s of 16 requests x args.output greedy tokens (batch 16 while they all decode)."""
+    from pagedjax import SamplingParams
+
+    decode = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([f"{p} and then" for p in PROMPTS], decode, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
 
 def main(argv=None) -> None:
@@ -107,6 +111,12 @@ def main(argv=None) -> None:
         quantization, kv = CONFIGS[name]
         print(f"[{name}] quantization={quantization} kv_cache_dtype={kv}", flush=True)
         results[name] = run_config(model, quantization, kv, args)
+    if args.speed:  # the configurations interleaved, repeat by repeat: drift of a shared machine falls on all alike
+        for r in results.values():
+            decode_rate(r["llm"], args)  # warm
+        for _ in range(args.repeats):
+            for r in results.values():
+                r["tok_s"].append(decode_rate(r["llm"], args))
     base = results["base"]
     print(f"\nmodel: {model or 'default (SmolLM2-135M-Instruct)'}; {len(PROMPTS)} prompts x {args.tokens} greedy "
           f"tokens; {len(base['logprobs']) + 1}-token text scored; kv_cache_memory_gb={args.kv_gb}")
