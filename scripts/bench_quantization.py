@@ -143,7 +143,7 @@ def run_workload(model, names, args) -> None:
     from types import SimpleNamespace
 
     w = SimpleNamespace(n=96, prompt_min=32, prompt_max=384, output_min=16, output_max=192, seed=0,
-                        max_num_seqs=32, max_model_len=1024, no_async_scheduling=False)
+                        max_num_seqs=32, max_model_len=1024, no_async_scheduling=False, skip_floor=True)
     model_dir = model or str(default_model_path())
     prompts, output_lens = bench_workload.make_workload(w, bench_workload._model_limits(model_dir)[0])
     rows = {}
