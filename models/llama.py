@@ -250,7 +250,7 @@ class CausalLM(nnx.Module):
         self.num_kv_heads = layout.num_kv_heads  # stored (replicated up to tp when tp > the model's)
         place = Placement(dtype, mesh, layout, quantization=quantization)
         self.native_head = place.native_head
-        self.embed, self.embed_scale = place.matrix(arrays, "embed")  # [V, E]; scale [V] when quantized
+        self.embed = place(arrays, "embed")  # [V, E], never quantized (models.quantization.QUANTIZED)
         layers = [regroup_layer(layer, cfg, layout) for layer in arrays["layers"]]
         if scan_layers:
             stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
@@ -260,14 +260,12 @@ class CausalLM(nnx.Module):
         else:
             self.layers = nnx.List([DecoderLayer(cfg, layer, place, layout) for layer in layers])
         self.norm = place(arrays, "norm")
-        self.lm_head, self.lm_head_scale = (None, None) if cfg.tie_word_embeddings else place.matrix(arrays, "lm_head")
+        self.lm_head = None if cfg.tie_word_embeddings else place(arrays, "lm_head")  # [V, E]
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
 
     def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache):
         """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv)."""
         x = self.embed[...][tokens].astype(jnp.float32)  # [T, E]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale[...][tokens][:, None]
         cos, sin = rope_table_once(md.positions, self.inv_freq[...])  # [T, D] each
         kv = tuple(kv)
         if not self.scan_layers:
@@ -288,8 +286,6 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden):
         """hidden [..., E] -> float32 logits [..., V]."""
-        head, scale = (self.embed, self.embed_scale) if self.lm_head is None else (self.lm_head, self.lm_head_scale)
-        head, scale = head[...], _value(scale)
+        head = self.embed[...] if self.lm_head is None else self.lm_head[...]
         # the native kernel for decode-sized heads only (scripts/bench_matmul.py)
-        native = self.native_head and hidden.shape[0] <= cpu_matmul.head_max_rows(head.dtype)
-        return linear(hidden, head, native, scale, self.dtype)
+        return linear(hidden, head, self.native_head and hidden.shape[0] <= cpu_matmul.head_max_rows(head.dtype))

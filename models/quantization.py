@@ -32,10 +32,6 @@ def check_quantization(quantization: str | None) -> None:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
 
 
-def storage_dtype(quantization: str):
-    return jnp.dtype(_FORMATS[quantization][0])
-
-
 def quantize_weight(w: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:
     """w [..., O, I] -> (w_q [..., O, I] in the storage dtype, scale [..., O] float32), one
     scale per output row (a leading layer axis, if any, kept); all-zero rows get scale 1."""
