@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import packed
-from pallas_kernels.paged_attention.kv_quant import load, split
+from pallas_kernels.paged_attention.kv_quant import load
 from pallas_kernels.paged_attention.ops import GPU_BACKENDS
 from pallas_kernels.paged_attention.cpu_native import (native_supported, packed_attention_native,
                                                        paged_attention_native)
@@ -57,9 +57,7 @@ def dense_attention(q, k_cache, v_cache, slots, kv_lens, q_lens, *, scale,
         raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q, a float32/bfloat16/int8/"
                          "fp8 cache, and a built kernel")
     if impl != "xla" and native:  # a slot is one page of max_model_len rows
-        (k, k_scales), (v, v_scales) = split(k_cache, True), split(v_cache, True)
-        return paged_attention_native(q, k, v, slots[:, None], kv_lens, q_lens, scale=scale, k_scales=k_scales,
-                                      v_scales=v_scales)
+        return paged_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, q_lens, scale=scale)
     c = min(chunk_tokens, max_len)
     g = h // hkv
     qg = _fold_gqa(q, hkv).astype(jnp.float32) * scale  # [S, Hkv, G, Q, D]
@@ -100,10 +98,8 @@ def dense_packed_attention(q, k_cache, v_cache, slots, kv_lens, cu_q_lens, *, sc
     into rows of `row_tokens` (packed.to_rows) and walked by `dense_attention`.
     """
     if impl != "xla" and native_supported(q.dtype, k_cache.dtype):
-        (k, k_scales), (v, v_scales) = split(k_cache, True), split(v_cache, True)
-        return packed_attention_native(q, k, v, slots[:, None], kv_lens, cu_q_lens[:-1],
-                                       cu_q_lens[1:] - cu_q_lens[:-1], scale=scale, k_scales=k_scales,
-                                       v_scales=v_scales)
+        return packed_attention_native(q, k_cache, v_cache, slots[:, None], kv_lens, cu_q_lens[:-1],
+                                       cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
     if impl == "native":
         raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q and cache, and a built kernel")
     tile = 1 if q.shape[0] <= slots.shape[0] else row_tokens

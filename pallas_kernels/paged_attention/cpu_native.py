@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import native_build
+from pallas_kernels.paged_attention import kv_quant
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGETS = {"float32": ("pagedjax_paged_attention_f32", "PagedAttentionF32"),  # page dtype -> (target, symbol)
@@ -72,7 +73,10 @@ def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts
     Same result as `packed_attention_reference` (float32 softmax; pages float32 or bfloat16;
     the output in q's dtype); needs `available()`. int8 / float8_e4m3fn pages need their
     k_scales / v_scales [Hkv, NB, BS] (float16; kv_quant.py): the result is the reference's on
-    `kv_quant.dequantize(pages, scales)`."""
+    `kv_quant.dequantize(pages, scales)`; or pass the pools as kv_quant.QuantizedPages, whose
+    data and scales are taken as they are stored (fp8: its bytes)."""
+    if isinstance(k_pages, kv_quant.QuantizedPages):
+        (k_pages, k_scales), (v_pages, v_scales) = kv_quant.split(k_pages, True), kv_quant.split(v_pages, True)
     page = jnp.dtype(k_pages.dtype).name
     if jnp.dtype(v_pages.dtype).name != page:
         raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ")

@@ -156,13 +156,10 @@ def _prefill(impl, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
 
 
 def _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
-    if name == "native":
-        (k, k_scales), (v, v_scales) = kv_quant.split(k_pages, True), kv_quant.split(v_pages, True)
-        return cpu_native.paged_attention_native(q, k, v, block_tables, kv_lens, q_lens, scale=scale,
-                                                 k_scales=k_scales, v_scales=v_scales)
     fn = {"reference": reference.paged_attention_reference,
           "chunked": reference.paged_attention_chunked,
-          "ragged": ragged.paged_attention_ragged}[name]
+          "ragged": ragged.paged_attention_ragged,
+          "native": cpu_native.paged_attention_native}[name]
     return fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale=scale)
 
 
@@ -207,10 +204,8 @@ def packed_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     scale = _scale(scale, d)
     name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
     if name == "native":
-        (k, k_scales), (v, v_scales) = kv_quant.split(k_pages, True), kv_quant.split(v_pages, True)
-        return cpu_native.packed_attention_native(q, k, v, block_tables, kv_lens, cu_q_lens[:-1],
-                                                  cu_q_lens[1:] - cu_q_lens[:-1], scale=scale, k_scales=k_scales,
-                                                  v_scales=v_scales)
+        return cpu_native.packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens[:-1],
+                                                  cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
     if name == "reference":
         return packed.packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                                                  scale=scale)
