@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from models import dtypes
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, KVCache
+from models.lora import LoRABatch
 from models.quantization import QUANTIZED, quantize_weight
 from models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
 from pallas_kernels import cpu_matmul
@@ -174,8 +175,9 @@ class Attention(nnx.Module):
         for name in ("bqkv", "bo", "q_norm", "k_norm"):
             setattr(self, name, place(arrays, name) if name in arrays else None)
 
-    def __call__(self, x, cos, sin, kv: KVCache, layer, md: AttentionMetadata, cache):
-        """x [T,E] (the step's packed tokens) -> (new kv, out [T,E])."""
+    def __call__(self, x, cos, sin, kv: KVCache, layer, md: AttentionMetadata, cache, lora: LoRABatch | None = None):
+        """x [T,E] (the step's packed tokens) -> (new kv, out [T,E]). lora: this layer's
+        adapters (models.lora), each token's term added to its q, k, v and o projections."""
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.wqkv[...], self.native, _value(self.wqkv_scale), self.compute_dtype)
@@ -187,12 +189,19 @@ class Attention(nnx.Module):
         q = qkv[:, :, :hq].reshape(t, h, d)  # [T, H, D]
         k = qkv[:, :, hq:hq + hk].reshape(t, hkv, d)  # [T, Hkv, D]
         v = qkv[:, :, hq + hk:].reshape(t, hkv, d)
+        if lora is not None:
+            q = q + lora.delta("q_proj", x).reshape(t, h, d)
+            k = k + lora.delta("k_proj", x).reshape(t, hkv, d)
+            v = v + lora.delta("v_proj", x).reshape(t, hkv, d)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv, o = cache.update_and_attend(kv, layer, q, k, v, md, scale=d ** -0.5)  # o [T, H, D]
-        out = linear(o.reshape(t, h * d), self.wo[...], self.native, _value(self.wo_scale), self.compute_dtype)
+        o = o.reshape(t, h * d)
+        out = linear(o, self.wo[...], self.native, _value(self.wo_scale), self.compute_dtype)
+        if lora is not None:
+            out = out + lora.delta("o_proj", o)
         if self.bo is not None:
             out = out + self.bo[...]
         return kv, out
@@ -206,13 +215,17 @@ class MLP(nnx.Module):
         self.num_shards = layout.tp
         self.native, self.compute_dtype = place.native_matmul, place.dtype
 
-    def __call__(self, x):
+    def __call__(self, x, lora: LoRABatch | None = None):
+        """x [T, E] -> [T, E]; lora: this layer's adapters on gate, up and down."""
         gu = linear(x, self.w_gate_up[...], self.native, _value(self.w_gate_up_scale), self.compute_dtype)  # [T, 2 I]
         i = gu.shape[-1] // 2
         gu = gu.reshape(*gu.shape[:-1], self.num_shards, 2, i // self.num_shards)
         gate, up = gu[..., 0, :].reshape(*gu.shape[:-3], i), gu[..., 1, :].reshape(*gu.shape[:-3], i)
-        return linear(jax.nn.silu(gate) * up, self.w_down[...], self.native, _value(self.w_down_scale),
-                      self.compute_dtype)
+        if lora is not None:
+            gate, up = gate + lora.delta("gate_proj", x), up + lora.delta("up_proj", x)
+        act = jax.nn.silu(gate) * up
+        out = linear(act, self.w_down[...], self.native, _value(self.w_down_scale), self.compute_dtype)
+        return out if lora is None else out + lora.delta("down_proj", act)
 
 
 class DecoderLayer(nnx.Module):
@@ -223,10 +236,10 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, arrays, place, layout)
         self.mlp = MLP(arrays, place, layout)
 
-    def __call__(self, x, cos, sin, kv, layer, md, cache):
-        kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, kv, layer, md, cache)
+    def __call__(self, x, cos, sin, kv, layer, md, cache, lora: LoRABatch | None = None):
+        kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, kv, layer, md, cache, lora)
         x = x + h
-        x = x + self.mlp(rms_norm(x, self.post_attention_norm[...], self.eps))
+        x = x + self.mlp(rms_norm(x, self.post_attention_norm[...], self.eps), lora)
         return kv, x
 
 
@@ -248,6 +261,7 @@ class CausalLM(nnx.Module):
         self.quantization = quantization  # None, "int8" or "fp8" (models.quantization)
         layout = tp_layout(cfg, 1 if mesh is None else mesh.shape["model"])
         self.num_kv_heads = layout.num_kv_heads  # stored (replicated up to tp when tp > the model's)
+        self.tp_layout = layout
         place = Placement(dtype, mesh, layout, quantization=quantization)
         self.native_head = place.native_head
         self.embed = place(arrays, "embed")  # [V, E], never quantized (models.quantization.QUANTIZED)
@@ -263,25 +277,28 @@ class CausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else place(arrays, "lm_head")  # [V, E]
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
 
-    def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache):
-        """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv)."""
+    def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache, lora: LoRABatch | None = None):
+        """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv).
+        lora: the step's LoRA adapters (models.lora; None: the base model alone)."""
         x = self.embed[...][tokens].astype(jnp.float32)  # [T, E]
         cos, sin = rope_table_once(md.positions, self.inv_freq[...])  # [T, D] each
         kv = tuple(kv)
         if not self.scan_layers:
             for i, layer in enumerate(self.layers):
-                kv, x = layer(x, cos, sin, kv, i, md, cache)
+                kv, x = layer(x, cos, sin, kv, i, md, cache, None if lora is None else lora.layer(i))
             return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv
         graphdef, stacked = nnx.split(self.layers)
 
         def body(carry, xs):
             x, kv = carry
-            layer_state, i = xs
-            kv, x = nnx.merge(graphdef, layer_state)(x, cos, sin, kv, i, md, cache)
+            layer_state, i, stacks = xs
+            layer_lora = None if lora is None else LoRABatch(lora.slots, stacks)
+            kv, x = nnx.merge(graphdef, layer_state)(x, cos, sin, kv, i, md, cache, layer_lora)
             return (x, kv), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, layer_ids))
+        stacks = None if lora is None else lora.stacks  # [L, ...] each: scanned with the layers
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, layer_ids, stacks))
         return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv
 
     def logits(self, hidden):

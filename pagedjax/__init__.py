@@ -1,5 +1,6 @@
 """pagedjax: a JAX/Pallas LLM inference engine with a paged KV cache."""
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -21,4 +22,4 @@ def __getattr__(name):  # import the engine (and JAX) only when asked for
 
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
-           "BeamSearchOutput", "StructuredOutputsParams"]
+           "BeamSearchOutput", "StructuredOutputsParams", "LoRARequest"]

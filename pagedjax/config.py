@@ -60,6 +60,11 @@ class EngineConfig:
                                  choices=KV_CACHE_DTYPES)
     quantization: str | None = option(None, "weights in 8 bits, quantized at load with a scale per output channel: "
                                       "int8 or fp8 (e4m3); default: the model dtype", str, choices=QUANTIZATIONS)
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) on the base model, a different one per "
+                               "request if need be (LLM.generate(lora_request=...), serve --lora-modules)", bool)
+    max_loras: int = option(4, "LoRA adapters held in device memory at once (the slots one step may mix)", int)
+    max_lora_rank: int = option(16, "the largest LoRA rank served (slots are sized for it)", int)
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory (LRU; default: max_loras)", int)
     seed: int = option(0, "engine seed (requests without a seed of their own draw theirs from it)", int)
     kv_cache_memory_gb: float | None = option(None, "KV memory per data-parallel rank, split over its tensor-parallel "
                                               "devices (default: 2 GiB on CPU, 0.8 of the free device memory "
@@ -86,7 +91,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                     "tensor_parallel_size", "data_parallel_size"):
+                     "tensor_parallel_size", "data_parallel_size", "max_loras", "max_lora_rank", "max_cpu_loras"):
             positive(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -98,6 +103,10 @@ class EngineConfig:
         check_dtype(self.dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_quantization(self.quantization)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

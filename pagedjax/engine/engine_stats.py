@@ -35,6 +35,7 @@ def stats(engine) -> dict:
         "data_parallel_size": cfg.data_parallel_size,
         "weight_bytes_per_device": engine.weight_bytes_per_device,
         "kv_pool_bytes_per_device": engine.kv_pool_bytes_per_device,
+        **(engine.lora.stats() if engine.lora is not None else {}),
         "data_parallel_ranks": ranks,
     }
 

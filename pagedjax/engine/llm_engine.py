@@ -26,6 +26,7 @@ from pagedjax.engine import engine_stats
 from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_sizing import plan_kv
 from pagedjax.engine.output_processor import OutputProcessor
+from pagedjax.lora.manager import LoRAManager, cache_salt as lora_cache_salt
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.data_parallel import DataParallelRouter
 from pagedjax.parallel.distributed import is_multiprocess
@@ -83,7 +84,14 @@ class LLMEngine:
         cache = (DenseKVCache(cfg.num_blocks, cfg.max_model_len, mesh=self.mesh) if dense else
                  PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl, mesh=self.mesh))
         self.runner = ModelRunner(self.model, self.buckets, cache, -(-cfg.max_model_len // plan.block_size),
-                                  plan.kv_dtype, self.mesh)
+                                  plan.kv_dtype, self.mesh,
+                                  lora_slots=(cfg.max_loras + 1, cfg.max_lora_rank) if cfg.enable_lora else None)
+        self.lora: LoRAManager | None = None  # multi-LoRA (enable_lora): adapters and their device slots
+        if cfg.enable_lora:
+            self.lora = LoRAManager(self.model_config, self.model.tp_layout, cfg.max_loras, cfg.max_lora_rank,
+                                    cfg.max_cpu_loras, self.schedulers)
+            for sched in self.schedulers:
+                sched.lora = self.lora
         self.compile_ahead = CompileAhead(self.runner, self.buckets, cfg.max_model_len)
         self.spec = make_spec_decode(cfg, self.buckets, plan, draft)  # None: no speculative decoding
         for sched in self.schedulers:
@@ -109,13 +117,18 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request=None) -> None:
         """Queues a request; raises ValueError with the reason if it can never run.
 
         With n > 1 the prompt is computed once and the n sequences fork from it, sharing its
-        blocks. `cache_salt` keeps this request's prefix-cache entries apart from others'."""
+        blocks. `cache_salt` keeps this request's prefix-cache entries apart from others'.
+        lora_request: a LoRARequest (needs enable_lora) to run the request with that adapter."""
         params = params or SamplingParams()
         self._check_new_id(request_id)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("a lora_request needs an engine started with enable_lora=True")
+            cache_salt = lora_cache_salt(cache_salt, self.lora.add(lora_request))
         if self.tokenizer is None and params.stop_strings:
             raise ValueError(f"{self.model_name} has no tokenizer: stop strings cannot be matched")
         text, ids = self.inputs.tokenize(prompt)
@@ -124,14 +137,33 @@ class LLMEngine:
         if params.uses_token_mask:
             self.masks.add(seq_ids, params)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
-        reqs = [Request(rid, list(ids), params, base_seed + i, self.eos_token_ids, cache_salt=cache_salt)
-                for i, rid in enumerate(seq_ids)]
+        reqs = [Request(rid, list(ids), params, base_seed + i, self.eos_token_ids, cache_salt=cache_salt,
+                        lora_request=lora_request) for i, rid in enumerate(seq_ids)]
         reqs[0].pending_forks, reqs[0].reserved_seats = reqs[1:], len(reqs) - 1
         rank = self.router.route(reqs[0])
         self.schedulers[rank].add(reqs[0])
         for req in reqs:
             req.dp_rank = rank
         self.output.add(request_id, text, reqs)
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora_request) -> None:
+        """Registers and reads a LoRA adapter ahead of its first request (ValueError if it
+        cannot serve: bad files, rank above max_lora_rank, shapes of another model, id taken)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (running requests finish with it); False if it was not known."""
+        if self.lora is None or lora_int_id not in self.lora.known:
+            return False
+        self.lora.remove(lora_int_id)
+        return True
+
+    def list_loras(self) -> list:
+        """The LoRARequests of every known adapter, by id."""
+        return [] if self.lora is None else [self.lora.known[i] for i in sorted(self.lora.known)]
 
     def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
         """Queues a beam search; its result lands in `finished_beam_searches[request_id]`."""
@@ -255,6 +287,8 @@ class LLMEngine:
         return outs
 
     def _dispatch(self, outs, prev=None):
+        if self.lora is not None:  # adapters admitted into new slots: written before the step reads them
+            self.lora.flush(self.runner.load_lora_slot)
         return self.runner.dispatch(outs, lambda bitmask, rows: self.masks.fill(outs, bitmask, rows), prev)
 
     def _can_overlap(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import fields
 from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -38,8 +39,11 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt; returns RequestOutputs in prompt order."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generates for every prompt; returns RequestOutputs in prompt order. lora_request
+        (engine started with enable_lora=True): one LoRARequest for every prompt, or a list
+        with one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -50,11 +54,12 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                  f"pass one, or exactly one per prompt")
+        loras = _per_prompt(lora_request, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
                 added.append(rid)
         except Exception:
             for rid in added:  # leave nothing queued behind a failed call
@@ -107,6 +112,15 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _per_prompt(lora_request, n: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora requests for {n} prompts; pass one, or exactly one per prompt")
+    return loras
 
 
 def _as_prompt_list(prompts) -> list:

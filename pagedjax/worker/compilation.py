@@ -37,7 +37,8 @@ class CompiledSteps:
                 began = time.perf_counter()
                 (step_buf, step_layout), (sample_buf, sample_layout) = self.idle_buffers(t)
                 spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._by_rank)
-                lowered = self._step.lower(*self._specs, spec(step_buf), spec(self._prev_tokens(None, host=True)),
+                weights, kv, lora = self._specs
+                lowered = self._step.lower(weights, kv, spec(step_buf), spec(self._prev_tokens(None, host=True)), lora,
                                            step_layout)
                 s = self.buckets.num_rows(t)
                 if s not in self._samplers:
@@ -85,7 +86,7 @@ class CompiledSteps:
         for run in range(2 if timed else 1):
             began = time.perf_counter()
             with self._state_lock:
-                self.kv, logits, _ = step(self._weights, self.kv, inputs, self._prev_tokens(None))
+                self.kv, logits, _ = step(self._weights, self.kv, inputs, self._prev_tokens(None), self.lora_stacks)
                 self.penalties, out, _ = self._samplers[s](logits, sampling, self._bitmask_ones(s), self.penalties)
             jax.block_until_ready(out.tokens)
             if run:
@@ -133,6 +134,7 @@ class CompiledSteps:
         each (last: every step shape is ready first; few requests ask for prompt logprobs)."""
         self._compile_load_slot()
         self._compile_copy_blocks()
+        self._compile_lora_write()
         ladder = self.buckets.token_buckets()
         return [(self.prime_bucket, t) for t in ladder] + [(self.prompt_executable, t) for t in ladder]
 

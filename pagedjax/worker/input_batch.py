@@ -26,23 +26,25 @@ class StepInputs:
     logits_indices: jax.Array  # [dp * S] int32: each sequence's last token within its rank's T (sampled)
     prompt_next: jax.Array  # [T] int32: the prompt token after each position, -1: no prompt logprobs asked
     prev_rows: jax.Array  # [T] int32: the previous step's sampled row whose token goes here (not yet on the host), -1: none
+    lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA slot (0: the base model); None: LoRA off
 
 
 class InputBatch:
     """Builds the numpy inputs of each step for one runner's buckets and KV cache."""
 
     def __init__(self, buckets: Buckets, block_size: int, max_blocks_per_seq: int, num_blocks: int, penalty_slot,
-                 step_rung=None):
+                 step_rung=None, lora: bool = False):
         """penalty_slot(rank, req) -> the request's penalty slot on its rank (loaded before
         the sampler runs when new); step_rung(num_tokens) -> T of a step of that many tokens
         (default: the smallest rung holding it; the runner's keeps to compiled rungs while a
-        background warm-up runs)."""
+        background warm-up runs); lora: fill each token's LoRA slot (`Request.lora_slot`)."""
         self.buckets = buckets
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.num_blocks = num_blocks  # a copy-on-write entry with dst = num_blocks is padding
         self.penalty_slot = penalty_slot
         self.step_rung = step_rung or buckets.token_bucket
+        self.lora = lora
 
     def step_shape(self, outs: list[SchedulerOutput | None]) -> tuple[int, int]:
         """(T, S) of the step running `outs` (one entry per data rank, None: idle): the rung
@@ -67,6 +69,7 @@ class InputBatch:
         logits_indices = np.zeros(dp * r, np.int32)
         prompt_next = np.full(dp * t, -1, np.int32)
         prev_rows = np.full(dp * t, -1, np.int32)
+        lora_slots = np.zeros(dp * t, np.int32) if self.lora else None
         sampling = SamplingArrays(dp * r)
         c = self.buckets.max_num_seqs  # copies per rank: at most one per sequence row
         src, dst = np.zeros(dp * c, np.int32), np.full(dp * c, self.num_blocks, np.int32)
@@ -95,6 +98,8 @@ class InputBatch:
                 if req.pending_row >= 0 and start <= req.num_tokens - 1 < start + ql:
                     # its last token is being sampled by the previous step: the device takes it from there
                     prev_rows[t0 + off + req.num_tokens - 1 - start] = req.pending_row
+                if lora_slots is not None:
+                    lora_slots[t0 + off:t0 + off + ql] = req.lora_slot
                 off += ql
                 if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                     prompt_next[t0 + off - ql:t0 + off] = prompt_logprobs.next_tokens(req.prompt_token_ids, start, ql)
@@ -112,7 +117,7 @@ class InputBatch:
                 n = len(out.copies)
                 src[rank * c:rank * c + n], dst[rank * c:rank * c + n] = zip(*out.copies)
         md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
-        return t, StepInputs(tokens, md, logits_indices, prompt_next, prev_rows), sampling.inputs(), (src, dst)
+        return t, StepInputs(tokens, md, logits_indices, prompt_next, prev_rows, lora_slots), sampling.inputs(), (src, dst)
 
 
 class SamplingArrays:

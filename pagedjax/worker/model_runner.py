@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models import lora as lora_lib
 from models.kv_cache import copy_blocks_sharded, init_kv_cache
 from models.sharding import DATA_AXIS, MODEL_AXIS
 from pagedjax.core.buckets import Buckets
@@ -51,7 +52,10 @@ class PendingStep:
 class ModelRunner(CompiledSteps):
     """Owns the model parameters, the device KV cache and the compiled step executables."""
 
-    def __init__(self, model, buckets: Buckets, cache, max_blocks_per_seq: int, kv_dtype, mesh: Mesh | None = None):
+    def __init__(self, model, buckets: Buckets, cache, max_blocks_per_seq: int, kv_dtype, mesh: Mesh | None = None,
+                 lora_slots: tuple[int, int] | None = None):
+        """lora_slots: (slots, max rank) of the LoRA stacks (models.lora) the step takes,
+        slot 0 the base model; None: no LoRA."""
         cfg = model.config
         self.num_layers = cfg.num_layers
         self.buckets = buckets
@@ -74,8 +78,12 @@ class ModelRunner(CompiledSteps):
         # the weights travel to each step as a flat list: flattening the nnx state (a Python
         # pytree of ~180 variables) cost ~0.5 ms a call
         self._weights, self._weights_tree = jax.tree.flatten(self.state)
+        # LoRA: every slot's adapter matrices per target, [L, slots, ...] (models.lora)
+        self.lora_stacks = None if lora_slots is None else lora_lib.init_stacks(
+            cfg, model.tp_layout, *lora_slots, model.dtype, self.mesh)
+        self._write_lora = jax.jit(lora_lib.write_slot, donate_argnums=(0,))
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                   (self._weights, self.kv))
+                                   (self._weights, self.kv, self.lora_stacks))
         # logit processors: penalty slots (per rank) and the all-allowed token mask per S
         self.vocab_size = _logits_width(model)
         self.penalty_slots = [PenaltySlots(buckets.max_num_seqs) for _ in range(self.dp)]
@@ -86,7 +94,7 @@ class ModelRunner(CompiledSteps):
         self._no_prev = None  # [dp * R_max] int32 zeros on the device: the previous tokens of a step that reads none
         # the step's and the sampler's host inputs each travel packed in one buffer (host_buffer),
         # whose layout (fixed by the bucket) is a static argument
-        self._step = jax.jit(self._forward_packed, donate_argnums=(1,), static_argnums=(4,))
+        self._step = jax.jit(self._forward_packed, donate_argnums=(1,), static_argnums=(5,))
         self._sample = jax.jit(self._sample_packed, donate_argnums=(3,), static_argnums=(4,))
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         self._copy_blocks = jax.jit(self._copy_blocks_fn, donate_argnums=(0,))
@@ -104,17 +112,19 @@ class ModelRunner(CompiledSteps):
         self._state_lock = threading.Lock()  # a dispatch and a warm-up's first run replace kv / penalties one at a time
         self.background_warmup = BackgroundWarmup()
         self.input_batch = InputBatch(buckets, self.block_size, max_blocks_per_seq, cache.num_blocks, self._penalty_slot,
-                                      self.step_rung)
+                                      self.step_rung, lora=lora_slots is not None)
         self.last_wait_s = 0.0  # seconds the last step's host waited for the device result
         self._last_fetch_end = 0.0  # time.perf_counter() when the last step's result was read
 
-    def _forward(self, weights, kv, inputs: StepInputs, prev_tokens):
+    def _forward(self, weights, kv, inputs: StepInputs, prev_tokens, lora_stacks=None):
         """-> (kv, logits [dp * S, V] of each sequence's last token, hidden [dp * T, E] for
         prompt logprobs). weights: the model state's leaves; prev_tokens [dp * R_max]: the
-        previous step's sampled tokens (see prev_rows)."""
+        previous step's sampled tokens (see prev_rows); lora_stacks: the LoRA slots' matrices
+        (None: LoRA off), each token through its slot `inputs.lora_slots`."""
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_tree, weights))
         tokens = jnp.where(inputs.prev_rows >= 0, prev_tokens[jnp.maximum(inputs.prev_rows, 0)], inputs.tokens)
-        hidden, kv = model(tokens, inputs.md, kv, self.cache)  # [dp * T, E]
+        lora = None if lora_stacks is None else lora_lib.LoRABatch(inputs.lora_slots, lora_stacks)
+        hidden, kv = model(tokens, inputs.md, kv, self.cache, lora)  # [dp * T, E]
         # each data rank takes its own sequences' last tokens (no gather across ranks)
         h = hidden.reshape(self.dp, -1, hidden.shape[-1])  # [dp, T, E]
         idx = inputs.logits_indices.reshape(self.dp, -1, 1)  # [dp, S, 1]
@@ -124,9 +134,21 @@ class ModelRunner(CompiledSteps):
         logits = jax.lax.with_sharding_constraint(model.logits(rows), self._rows_by_rank)
         return kv, logits, jax.lax.with_sharding_constraint(hidden, self._rows_by_rank)
 
-    def _forward_packed(self, weights, kv, buf, prev_tokens, layout: host_buffer.BufferLayout):
+    def _forward_packed(self, weights, kv, buf, prev_tokens, lora_stacks, layout: host_buffer.BufferLayout):
         """_forward on StepInputs packed in buf [dp, N] int32."""
-        return self._forward(weights, kv, host_buffer.unpack(buf, layout), prev_tokens)
+        return self._forward(weights, kv, host_buffer.unpack(buf, layout), prev_tokens, lora_stacks)
+
+    def load_lora_slot(self, slot: int, arrays: dict) -> None:
+        """Writes one LoRA slot (models.lora.slot_arrays) into the stacks; the next step
+        reads it. One compiled write serves every slot (the slot index is traced)."""
+        with self._state_lock:
+            self.lora_stacks = self._write_lora(self.lora_stacks, np.int32(slot), arrays)
+
+    def _compile_lora_write(self) -> None:
+        """Compiles the slot write by running it once on slot 0 with zeros (a no-op)."""
+        if self.lora_stacks is not None:
+            self.load_lora_slot(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:], np.float32),
+                                                self.lora_stacks))
 
     def _sample_packed(self, logits, buf, bitmask, pstate, layout: host_buffer.BufferLayout):
         """_sample_fn on SamplingInputs packed in buf [dp, N] int32."""
@@ -232,7 +254,8 @@ class ModelRunner(CompiledSteps):
                 first_run |= self._copy_executable is None  # compiles now (no warm-up ran)
                 self._compile_copy_blocks()
                 self.kv = self._copy_executable(self.kv, *copies)
-            self.kv, logits, hidden = step(self._weights, self.kv, step_buf, self._prev_tokens(prev))  # runs async
+            self.kv, logits, hidden = step(self._weights, self.kv, step_buf, self._prev_tokens(prev),
+                                           self.lora_stacks)  # runs async
             for args in self._pending_loads:
                 self.penalties = penalties.load_slot(self.penalties, *args)
             self._pending_loads = []

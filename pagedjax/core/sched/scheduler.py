@@ -36,6 +36,8 @@ class Scheduler:
         self.token_budget = buckets.max_num_batched_tokens  # tokens per step; the engine may lower it
         # speculative decoding's SpecDecodeManager (None when off): how many drafts each request verifies
         self.draft_policy = None
+        # LoRA's LoRAManager (None when off): admit(req) -> whether req's adapter has a device slot now
+        self.lora = None
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
@@ -158,6 +160,7 @@ class Scheduler:
                 q = min(req.num_tokens - start, budget)
                 need = cdiv(start + q, self.block_size) - len(hits)
                 fits = need <= self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits)
+                fits = fits and (self.lora is None or self.lora.admit(req))
             if not fits:
                 if req.status is RequestStatus.PREEMPTED or req.num_passed >= max_seqs:
                     break
@@ -242,6 +245,7 @@ class Scheduler:
             self.pool.take(b)
         child.block_ids = list(parent.block_ids)
         child.dp_rank = parent.dp_rank  # its blocks live in the parent's pool
+        child.lora_slot = parent.lora_slot
         child.block_hashes = list(parent.block_hashes)
         child.output_token_ids = list(parent.output_token_ids)
         child.num_computed_tokens = parent.num_computed_tokens
