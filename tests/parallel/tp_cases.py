@@ -17,9 +17,10 @@ os.environ.setdefault("PAGEDJAX_COMPILE_CACHE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
 
+from lora_adapters import make_adapter  # noqa: E402
 from tiny_models import hf_greedy, make_checkpoint  # noqa: E402
 
-from pagedjax import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from pagedjax import LLM, BeamSearchParams, LoRARequest, SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], list(range(20, 60))]
 # query / KV heads: llama 4 / 2, mistral 4 / 1, qwen2 4 / 4, qwen3 8 / 2 (tp 4 and 8 over 2 KV heads
@@ -111,6 +112,17 @@ def main(out_dir: Path) -> dict:
             "scale_shards": {"wqkv": [list(x.data.shape) for x in layer.attn.wqkv_scale[...].addressable_shards],
                              "w_down": [list(x.data.shape) for x in layer.mlp.w_down_scale[...].addressable_shards]},
         }
+        del llm
+    adapters = [make_adapter(out_dir / "llama", out_dir / f"lora{i}", rank, seed=i) for i, rank in ((1, 8), (2, 4))]
+    loras = [None, *(LoRARequest(f"a{i}", i, str(a)) for i, a in enumerate(adapters, 1))]
+    for tp in (1, 2, 4):  # LoRA stacks cut like their base weights (tp 4: KV heads, and k/v's b, replicated)
+        llm = LLM(llama, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=8, **UNCOUNTED)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True), lora_request=loras, use_tqdm=False)
+        stacks = llm.engine.runner.lora_stacks
+        res[f"lora_tp{tp}"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                               "q_b_shards": [list(x.data.shape) for x in stacks["q_proj"][1].addressable_shards],
+                               "o_a_shards": [list(x.data.shape) for x in stacks["o_proj"][0].addressable_shards],
+                               "base": greedy(llm)}
         del llm
     for tp in (1, 2):  # a pool too small for all three: the newest requests are preempted and recomputed
         small = dict(UNCOUNTED, num_blocks=7)
