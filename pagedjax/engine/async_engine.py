@@ -1,8 +1,10 @@
 """AsyncEngine: drives a (thread-unsafe) LLMEngine from one background thread for asyncio.
 
 Only the engine thread ever touches the engine. asyncio code talks to it through a command
-queue (add, add a beam search, abort, abort-all) and gets results back through
-`loop.call_soon_threadsafe`.
+queue (add, add a beam search, abort, abort-all, call: run a function such as loading a LoRA
+adapter) and gets results back through `loop.call_soon_threadsafe`. The LoRA adapters the
+engine knows are mirrored in `loras` (name -> LoRARequest), a snapshot the engine thread
+replaces whenever they change, so request handlers look names up without a round trip.
 The engine runs with `output_deltas`, so each step posts only what is new; a stream whose
 consumer has not taken its last update yet merges the new one into it, so a stream holds at
 most one pending update however slowly its client reads. The thread steps while the engine
@@ -32,6 +34,7 @@ from typing import Any, Callable
 
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine.request_stream import EngineDeadError, QueueFullError, RequestStream, ShuttingDownError
+from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -69,6 +72,9 @@ class AsyncEngine:
         # aborted it); one its handler dropped is garbage-collected out of the set
         self._open_streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._thread: threading.Thread | None = None
+        self.lora_enabled = getattr(engine, "lora", None) is not None  # the engine has enable_lora
+        self.loras: dict[str, LoRARequest] = {}  # the adapters the engine knows, by name (a snapshot)
+        self._refresh_loras()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -123,10 +129,10 @@ class AsyncEngine:
     # ---- asyncio side ---------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          cache_salt: str | None = None) -> RequestStream:
-        """Submit a request; returns its stream. Raises ValueError (bad request),
-        QueueFullError, ShuttingDownError or EngineDeadError."""
-        return await self._add(("add", prompt, params, cache_salt), request_id, params.n)
+                          cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+        """Submit a request (with `lora_request`: run with that adapter); returns its stream.
+        Raises ValueError (bad request), QueueFullError, ShuttingDownError or EngineDeadError."""
+        return await self._add(("add", prompt, params, cache_salt, lora_request), request_id, params.n)
 
     async def add_beam_search(self, request_id: str, prompt: str | list[int],
                               params: BeamSearchParams) -> RequestStream:
@@ -162,6 +168,71 @@ class AsyncEngine:
         self._open_streams.add(stream)
         return stream
 
+    async def call(self, fn: Callable, *args) -> Any:
+        """fn(*args) on the engine thread, between steps; returns its result or raises its
+        exception (EngineDeadError when the engine is gone)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(("call", loop, fn, args, done))
+        return await done
+
+    # ---- LoRA adapters (each runs on the engine thread) -----------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register and read an adapter (ValueError if the engine cannot serve it)."""
+        await self.call(self._with_refresh, self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if the engine did not know it."""
+        return await self.call(self._with_refresh, self.engine.remove_lora, lora_int_id)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine knows, by id."""
+        return await self.call(self._engine_loras)
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load the adapter at `path` as `name` with the next free id (the largest + 1);
+        ValueError if LoRA is off, the name is taken or the adapter cannot serve."""
+        return await self.call(self._load_lora, name, path)
+
+    async def unload_lora(self, name: str) -> LoRARequest:
+        """Unload the adapter called `name` (running requests finish with it); KeyError if
+        no adapter has that name."""
+        return await self.call(self._unload_lora, name)
+
+    def _load_lora(self, name: str, path: str) -> LoRARequest:
+        if not self.lora_enabled:
+            raise ValueError("LoRA adapters need a server started with --enable-lora")
+        known = self._engine_loras()
+        if any(lora.lora_name == name for lora in known):
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        lora = LoRARequest(name, max((l.lora_int_id for l in known), default=0) + 1, path)
+        self._with_refresh(self.engine.add_lora, lora)
+        return lora
+
+    def _unload_lora(self, name: str) -> LoRARequest:
+        lora = next((l for l in self._engine_loras() if l.lora_name == name), None)
+        if lora is None:
+            raise KeyError(name)
+        self._with_refresh(self.engine.remove_lora, lora.lora_int_id)
+        return lora
+
+    def _engine_loras(self) -> list[LoRARequest]:
+        list_loras = getattr(self.engine, "list_loras", None)
+        return list(list_loras()) if self.lora_enabled and list_loras is not None else []
+
+    def _refresh_loras(self) -> None:
+        """Engine thread (or before it starts): publish the adapters (one atomic assignment)."""
+        self.loras = {lora.lora_name: lora for lora in self._engine_loras()}
+
+    def _with_refresh(self, fn: Callable, *args) -> Any:
+        try:
+            return fn(*args)
+        finally:
+            self._refresh_loras()
+
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; the engine frees its blocks on its next turn)."""
         self._submit(("abort", request_id))
@@ -172,8 +243,8 @@ class AsyncEngine:
                 self._commands.append(command)
                 self._cond.notify()
                 return
-        if command[0] in _ADDS:  # the engine is gone: nothing will ever answer it
-            _resolve(command[1].loop, command[-1], EngineDeadError("the engine is not running"))
+        if command[0] in _ANSWERED:  # the engine is gone: nothing will ever answer it
+            _resolve(_loop_of(command), command[-1], EngineDeadError("the engine is not running"))
 
     def _mark_started(self, stream: RequestStream) -> None:
         if not stream.started:
@@ -265,8 +336,8 @@ class AsyncEngine:
         self._ready.set()
         message = "the engine failed while running this request (see the server log)"
         for command in commands:
-            if command[0] in _ADDS:
-                _resolve(command[1].loop, command[-1], EngineDeadError(message))
+            if command[0] in _ANSWERED:
+                _resolve(_loop_of(command), command[-1], EngineDeadError(message))
         self._abort_all(EngineDeadError(message), call_engine=False)
         for callback in self.on_dead:
             try:
@@ -277,15 +348,17 @@ class AsyncEngine:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, stream, prompt, params, cache_salt, admitted = command
+            _, stream, prompt, params, cache_salt, lora_request, admitted = command
+            # only the options given: an engine without them (a test double) still serves the rest
+            extra = {k: v for k, v in (("cache_salt", cache_salt), ("lora_request", lora_request)) if v is not None}
             try:
-                if cache_salt is None:
-                    self.engine.add_request(stream.request_id, prompt, params)
-                else:
-                    self.engine.add_request(stream.request_id, prompt, params, cache_salt=cache_salt)
+                self.engine.add_request(stream.request_id, prompt, params, **extra)
             except Exception as exc:
                 _resolve(stream.loop, admitted, exc)
                 return
+            finally:
+                if lora_request is not None and self.loras.get(lora_request.lora_name) != lora_request:
+                    self._refresh_loras()  # the engine registers an adapter a request names
             self._streams[stream.request_id] = stream
             _resolve(stream.loop, admitted, None)
         elif kind == "add_beam":
@@ -307,6 +380,14 @@ class AsyncEngine:
                 self._post(stream, _aborted(rid))
         elif kind == "abort_all":
             self._abort_all(None)
+        elif kind == "call":
+            _, loop, fn, args, done = command
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                _resolve(loop, done, exc)
+            else:
+                _resolve(loop, done, None, result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         if self._beam_searches and self.engine.finished_beam_searches:
@@ -336,24 +417,30 @@ class AsyncEngine:
         self._beam_searches.clear()
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None) -> None:
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None,
+             result: Any = None) -> None:
     """Settle `fut` on its loop, from any thread."""
     try:
-        loop.call_soon_threadsafe(_set_future, fut, exc)
+        loop.call_soon_threadsafe(_set_future, fut, exc, result)
     except RuntimeError:  # the loop is closed
         pass
 
 
-def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
+def _set_future(fut: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
     if fut.done():
         return
     if exc is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(exc)
 
 
-_ADDS = ("add", "add_beam")
+_ANSWERED = ("add", "add_beam", "call")  # commands whose last item is a future someone awaits
+
+
+def _loop_of(command: tuple) -> asyncio.AbstractEventLoop:
+    """The event loop that awaits an answered command's future."""
+    return command[1] if command[0] == "call" else command[1].loop
 
 
 def _beam_output(result: BeamSearchOutput) -> RequestOutput:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 from typing import Any
@@ -40,8 +41,45 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--no-warmup", action="store_true", help="do not compile the step buckets ahead (each compiles on first use)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="pagedjax's and uvicorn's log level")
+    g.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT dirs) loaded at startup, each served as model NAME (ids 1, 2, ... in "
+                        "order); an item may also be JSON: '{\"name\": NAME, \"path\": PATH}'. Needs --enable-lora "
+                        "(default: none)")
     add_engine_arguments(parser)
+    parser.set_defaults(_check=check_serve_arguments)
     return parser
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules item, `NAME=PATH` or JSON `{"name": NAME, "path": PATH}`, as (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+        name, path = (item.get("name"), item.get("path")) if isinstance(item, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or {{\"name\": NAME, \"path\": PATH}}, got {text!r}")
+    return name.strip(), path.strip()
+
+
+def check_serve_arguments(args: argparse.Namespace) -> None:
+    """The engine flags as EngineConfig checks them, then --lora-modules (ValueError naming the flag)."""
+    from pagedjax.entrypoints.cli import check_engine_arguments
+
+    check_engine_arguments(args)
+    if args.enable_lora and args.num_processes > 1:
+        raise ValueError("--enable-lora is not supported with --num-processes > 1")
+    modules = args.lora_modules or []
+    if modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    names = [args.served_model_name] + [name for name, _ in modules]
+    taken = next((n for i, n in enumerate(names) if n is not None and n in names[:i]), None)
+    if taken is not None:
+        raise ValueError(f"--lora-modules: the model name {taken!r} is taken twice (each adapter and "
+                         f"--served-model-name need a name of their own)")
 
 
 def _positive(kind):
@@ -169,6 +207,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("cannot start the engine: %s", flag_names(str(exc), engine_flags()))
         return 2
+    if not load_lora_modules(engine, args.lora_modules or []):
+        return 2
     if not args.no_warmup and hasattr(engine, "warmup"):
         logger.info("compiling the smallest step bucket now and the others in the background "
                     "(--no-warmup compiles each on first use instead)")
@@ -187,6 +227,20 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.num_processes > 1:  # the followers exit with process 0
         engine.close()
     return code
+
+
+def load_lora_modules(engine: Any, modules: list[tuple[str, str]]) -> bool:
+    """Load the --lora-modules adapters with ids 1, 2, ... in order; False (logged) at the first that fails."""
+    from pagedjax.lora.request import LoRARequest
+
+    for lora_id, (name, path) in enumerate(modules, 1):
+        try:
+            engine.add_lora(LoRARequest(name, lora_id, path))
+        except (ValueError, OSError) as exc:
+            logger.error("cannot load LoRA adapter %r from %r (--lora-modules): %s", name, path, exc)
+            return False
+        logger.info("loaded LoRA adapter %r from %r", name, path)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,16 +14,18 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pagedjax.engine.async_engine import AsyncEngine
+from pagedjax.engine.request_stream import EngineDeadError
 from pagedjax.entrypoints.openai.errors import APIError, bad_request, from_status
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from pagedjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                                      ModelList, TokenizeRequest)
+from pagedjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
+                                                  UnloadLoRAAdapterRequest)
 from pagedjax.entrypoints.openai.serving_chat import ChatServing
 from pagedjax.entrypoints.openai.serving_common import ClientDisconnected
 from pagedjax.entrypoints.openai.serving_completion import CompletionServing
@@ -204,16 +206,58 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     async def version():
         return JSONResponse({"version": VERSION})
 
+    def model_cards() -> list[ModelCard]:
+        """The base model, then each LoRA adapter (by id)."""
+        max_len = async_engine.max_model_len
+        adapters = sorted(async_engine.loras.values(), key=lambda lora: lora.lora_int_id)
+        return [ModelCard(id=name, root=name, max_model_len=max_len)] + [
+            ModelCard(id=lora.lora_name, root=lora.lora_path, parent=name, max_model_len=max_len)
+            for lora in adapters]
+
     @app.get("/v1/models")
     async def list_models():
-        return JSONResponse(ModelList(data=[ModelCard(id=name, max_model_len=async_engine.max_model_len)]).model_dump())
+        return JSONResponse(ModelList(data=model_cards()).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id != name:
+        card = next((c for c in model_cards() if c.id == model_id), None)
+        if card is None:
             raise APIError(f"The model `{model_id}` does not exist", 404, "not_found_error", "model",
                            "model_not_found")
-        return JSONResponse(ModelCard(id=name, max_model_len=async_engine.max_model_len).model_dump())
+        return JSONResponse(card.model_dump())
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request):
+        req = parse_request(LoadLoRAAdapterRequest, await read_body(request))
+        check_lora_enabled()
+        if req.lora_name == name:
+            raise bad_request(f"`{name}` is the base model's name; give the adapter another", "lora_name")
+        try:
+            await async_engine.load_lora(req.lora_name, req.lora_path)
+        except (ValueError, OSError) as exc:
+            raise bad_request(f"cannot load LoRA adapter `{req.lora_name}`: {exc}", "lora_path") from None
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable_error", None, "unavailable") from None
+        logger.info("loaded LoRA adapter %r from %r", req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request):
+        req = parse_request(UnloadLoRAAdapterRequest, await read_body(request))
+        check_lora_enabled()
+        try:
+            await async_engine.unload_lora(req.lora_name)
+        except KeyError:
+            raise APIError(f"The LoRA adapter `{req.lora_name}` is not loaded", 404, "not_found_error",
+                           "lora_name", "model_not_found") from None
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, "service_unavailable_error", None, "unavailable") from None
+        logger.info("unloaded LoRA adapter %r", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    def check_lora_enabled() -> None:
+        if not async_engine.lora_enabled:
+            raise bad_request("LoRA adapters are off on this server: start it with --enable-lora")
 
     @app.get("/health")
     async def health():
@@ -243,7 +287,8 @@ def _openapi(app: FastAPI) -> dict:
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                      LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body

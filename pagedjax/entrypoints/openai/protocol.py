@@ -249,6 +249,19 @@ class TokenizeRequest(_Request):
     return_token_strs: bool | None = False
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/load_lora_adapter: serve the PEFT adapter at `lora_path` as model `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/unload_lora_adapter: stop serving the adapter called `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+
+
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: TokenIds
@@ -378,6 +391,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedjax"
+    root: str | None = None  # the base model's name; a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model (None: a base model)
     max_model_len: int | None = None
 
 

@@ -22,7 +22,8 @@ class ChatServing(ServingBase):
     """Handler of /v1/chat/completions."""
 
     async def create(self, req: ChatCompletionRequest, request: Request):
-        self.check_common(req)
+        lora = self.check_common(req)
+        model = lora.lora_name if lora is not None else self.served_model_name
         tools = plan_tools(req, self.tokenizer)  # None: no tools (tool_calls.py)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
@@ -39,18 +40,19 @@ class ChatServing(ServingBase):
         else:
             params = self.sampling_params(req, max_tokens, k, structured_outputs=spec)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, [ids], [params], req.cache_salt, request)
+        streams = await self.submit(request_id, [ids], [params], req.cache_salt, request, lora)
         n = req.n or 1
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self.event_stream(self.stream(request_id, ids, streams, n, k, include_usage, tools), streams)
+            return self.event_stream(self.stream(request_id, ids, streams, n, k, include_usage, tools, model),
+                                     streams)
         finals = await self.collect(request, streams)
         # built and serialized on the worker thread: a big logprobs answer never stalls the loop
         return json_response(await self.run_cpu(self.response_body, request_id, ids, streams, finals[0], n, k,
-                                                tools))
+                                                tools, model))
 
     def response_body(self, request_id: str, ids: list[int], streams, final, n: int, k: int | None,
-                      tools: ToolPlan | None = None) -> bytes:
+                      tools: ToolPlan | None = None, model: str | None = None) -> bytes:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self.logprobs(c, k), finish_reason=c.finish_reason or "abort")
                    for c in completions_by_index(final, n)]
@@ -58,7 +60,7 @@ class ChatServing(ServingBase):
             for ch in choices:
                 ch.message.content, ch.message.tool_calls, ch.finish_reason = tools.message(
                     ch.message.content or "", ch.finish_reason)
-        return json_bytes(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+        return json_bytes(ChatCompletionResponse(id=request_id, model=model or self.served_model_name, choices=choices,
                                                  usage=self.usage([ids], streams)).model_dump())
 
     def prompt_ids(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
@@ -100,12 +102,13 @@ class ChatServing(ServingBase):
         return TopLogprob(token=token, logprob=finite(logprob), bytes=list(token.encode("utf-8")))
 
     async def stream(self, request_id: str, ids: list[int], streams, n: int, k: int | None, include_usage: bool,
-                     tools: ToolPlan | None = None):
+                     tools: ToolPlan | None = None, model: str | None = None):
         """SSE chunks: a role delta per choice, content deltas, finish reasons, usage, [DONE]."""
         created = int(time.time())
+        model = model or self.served_model_name
 
         def chunk(choice: ChatChunkChoice | None, usage=None) -> str:
-            body = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
+            body = ChatCompletionChunk(id=request_id, created=created, model=model,
                                        choices=[choice] if choice else [], usage=usage).model_dump()
             for ch in body["choices"]:
                 ch["delta"] = {key: v for key, v in ch["delta"].items() if v is not None}

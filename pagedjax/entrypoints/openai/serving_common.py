@@ -22,6 +22,7 @@ from pagedjax.core.beam_search import BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from pagedjax.engine.async_engine import AsyncEngine
+from pagedjax.lora.request import LoRARequest
 from pagedjax.engine.request_stream import (EngineDeadError, QueueFullError, RequestStream, ShuttingDownError,
                                             merge_delta)
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
@@ -74,11 +75,22 @@ class ServingBase:
 
     # ---- checks ---------------------------------------------------------------------------
 
-    def check_common(self, req: _SamplingRequest) -> None:
-        """Model name, token ids within the vocabulary, option combinations."""
-        if req.model is not None and req.model != self.served_model_name:
-            raise APIError(f"The model `{req.model}` does not exist. This server serves "
-                           f"`{self.served_model_name}`.", 404, "not_found_error", "model", "model_not_found")
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names (None: the base model, also when
+        `model` is omitted); 404 for a name this server does not serve."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = self.engine.loras.get(model)
+        if lora is None:
+            adapters = "".join(f", `{name}`" for name in self.engine.loras)
+            raise APIError(f"The model `{model}` does not exist. This server serves `{self.served_model_name}`"
+                           f"{adapters}.", 404, "not_found_error", "model", "model_not_found")
+        return lora
+
+    def check_common(self, req: _SamplingRequest) -> LoRARequest | None:
+        """Model name, token ids within the vocabulary, option combinations; returns the LoRA
+        adapter the model name picks (None: the base model)."""
+        lora = self.lora_of(req.model)
         if req.stream_options is not None and not req.stream:
             raise bad_request("`stream_options` is only allowed when `stream` is true", "stream_options")
         bad = next((t for t in (req.logit_bias or {}) if int(t) >= self.vocab_size), None)
@@ -91,7 +103,10 @@ class ServingBase:
         if req.bad_words and self.tokenizer is None:
             raise bad_request("`bad_words` need a tokenizer: this model has none", "bad_words")
         if req.use_beam_search:
+            if lora is not None:  # the engine's beam search runs the base model only
+                raise bad_request("`use_beam_search` is not supported with a LoRA adapter", "use_beam_search")
             self.check_beam_search(req)
+        return lora
 
     def check_beam_search(self, req: _SamplingRequest) -> None:
         """Beam search is deterministic and keeps no per-token logprobs: what would change its
@@ -229,9 +244,10 @@ class ServingBase:
 
     async def submit(self, request_id: str, prompts: list[list[int]],
                      params: list[SamplingParams] | list[BeamSearchParams],
-                     cache_salt: str | None = None, request: Request | None = None) -> list[RequestStream]:
-        """Add one engine request (or beam search) per prompt; on any failure abort the ones
-        already added."""
+                     cache_salt: str | None = None, request: Request | None = None,
+                     lora_request: LoRARequest | None = None) -> list[RequestStream]:
+        """Add one engine request (or beam search) per prompt, with `lora_request`'s adapter if
+        given; on any failure abort the ones already added."""
         limit = self.engine.max_pending_requests
         num_seqs = sum(p.beam_width if isinstance(p, BeamSearchParams) else p.n for p in params)
         if num_seqs > limit:
@@ -245,7 +261,8 @@ class ServingBase:
                 if isinstance(p, BeamSearchParams):
                     streams.append(await self.engine.add_beam_search(f"{request_id}-{i}", ids, p))
                 else:
-                    streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p, cache_salt))
+                    streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p, cache_salt,
+                                                                 lora_request))
         except BaseException as exc:
             for s in streams:
                 s.abort()

@@ -38,13 +38,14 @@ class _Shape:
     prompt_logprobs: int | None  # top k of the vLLM prompt_logprobs field (None: not asked for)
     engine_prompt_logprobs: int | None  # top k of the prompt logprobs the engine was asked for
     scoring: bool  # max_tokens == 0: the prompt is only scored
+    model: str  # the model name the response gives: the base model's or the LoRA adapter's
 
 
 class CompletionServing(ServingBase):
     """Handler of /v1/completions."""
 
     async def create(self, req: CompletionRequest, request: Request):
-        self.check_common(req)
+        lora = self.check_common(req)
         if req.suffix:
             raise bad_request("`suffix` is not supported by this engine", "suffix")
         if req.best_of not in (None, req.n):
@@ -80,9 +81,10 @@ class CompletionServing(ServingBase):
         else:
             params = [self.sampling_params(req, m, k, engine_plp, spec) for m in max_tokens]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, prompts, params, req.cache_salt, request)
+        streams = await self.submit(request_id, prompts, params, req.cache_salt, request, lora)
         n = req.n or 1
-        shape = _Shape(n, k, texts if req.echo else None, req.prompt_logprobs, engine_plp, req.max_tokens == 0)
+        shape = _Shape(n, k, texts if req.echo else None, req.prompt_logprobs, engine_plp, req.max_tokens == 0,
+                       lora.lora_name if lora is not None else self.served_model_name)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.event_stream(self.stream(request_id, prompts, streams, shape, include_usage), streams)
@@ -93,7 +95,7 @@ class CompletionServing(ServingBase):
     def response_body(self, request_id: str, prompts, streams, finals, shape: _Shape) -> bytes:
         choices = [self.choice(p, prompts[p], out, c, shape, 0)[0]
                    for p, out in enumerate(finals) for c in completions_by_index(out, shape.n)]
-        body = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+        body = CompletionResponse(id=request_id, model=shape.model, choices=choices,
                                   usage=self.usage(prompts, streams)).model_dump()
         if shape.prompt_logprobs is None:
             for ch in body["choices"]:
@@ -191,7 +193,7 @@ class CompletionServing(ServingBase):
         done: set[int] = set()
 
         def chunk(choices, usage=None) -> str:
-            body = CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+            body = CompletionResponse(id=request_id, created=created, model=shape.model,
                                       choices=choices, usage=usage).model_dump()
             for ch in body["choices"]:
                 del ch["prompt_logprobs"]  # not streamed (a 400 asks for it)

@@ -2,7 +2,7 @@
 the chat endpoint would render them, and text of token ids)."""
 from __future__ import annotations
 
-from pagedjax.entrypoints.openai.errors import APIError, bad_request
+from pagedjax.entrypoints.openai.errors import bad_request
 from pagedjax.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedjax.entrypoints.openai.serving_chat import ChatServing
 from pagedjax.entrypoints.openai.serving_common import ServingBase
@@ -16,9 +16,7 @@ class TokenizeServing(ServingBase):
         self.chat = chat
 
     def _check(self, req: TokenizeRequest | DetokenizeRequest) -> None:
-        if req.model is not None and req.model != self.served_model_name:
-            raise APIError(f"The model `{req.model}` does not exist. This server serves "
-                           f"`{self.served_model_name}`.", 404, "not_found_error", "model", "model_not_found")
+        self.lora_of(req.model)  # an adapter shares the base model's tokenizer
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer")
 
