@@ -163,7 +163,13 @@ class Placement:
         return nnx.Param(jax.device_put(x, NamedSharding(self.mesh, spec)))
 
 
-class Attention(nnx.Module):
+class _LoRAMatmul:
+    def lora_matmul(self, x, w):
+        """The LoRA terms' two matmuls (models.lora.lora_delta) take the weights' path."""
+        return linear(x, w, self.native)
+
+
+class Attention(_LoRAMatmul, nnx.Module):
     def __init__(self, cfg: ModelConfig, arrays: dict, place: Placement, layout: TPLayout):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, layout.num_kv_heads, cfg.head_dim
         self.num_shards = layout.tp
@@ -190,9 +196,9 @@ class Attention(nnx.Module):
         k = qkv[:, :, hq:hq + hk].reshape(t, hkv, d)  # [T, Hkv, D]
         v = qkv[:, :, hq + hk:].reshape(t, hkv, d)
         if lora is not None:
-            q = q + lora.delta("q_proj", x).reshape(t, h, d)
-            k = k + lora.delta("k_proj", x).reshape(t, hkv, d)
-            v = v + lora.delta("v_proj", x).reshape(t, hkv, d)
+            q = q + lora.delta("q_proj", x, self.lora_matmul).reshape(t, h, d)
+            k = k + lora.delta("k_proj", x, self.lora_matmul).reshape(t, hkv, d)
+            v = v + lora.delta("v_proj", x, self.lora_matmul).reshape(t, hkv, d)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
@@ -201,13 +207,13 @@ class Attention(nnx.Module):
         o = o.reshape(t, h * d)
         out = linear(o, self.wo[...], self.native, _value(self.wo_scale), self.compute_dtype)
         if lora is not None:
-            out = out + lora.delta("o_proj", o)
+            out = out + lora.delta("o_proj", o, self.lora_matmul)
         if self.bo is not None:
             out = out + self.bo[...]
         return kv, out
 
 
-class MLP(nnx.Module):
+class MLP(_LoRAMatmul, nnx.Module):
     def __init__(self, arrays: dict, place: Placement, layout: TPLayout):
         # [2 I, E]: gate and up fused, as shards [gate_g | up_g]; scales [2 I], [E] when quantized
         self.w_gate_up, self.w_gate_up_scale = place.matrix(arrays, "w_gate_up")
@@ -222,10 +228,11 @@ class MLP(nnx.Module):
         gu = gu.reshape(*gu.shape[:-1], self.num_shards, 2, i // self.num_shards)
         gate, up = gu[..., 0, :].reshape(*gu.shape[:-3], i), gu[..., 1, :].reshape(*gu.shape[:-3], i)
         if lora is not None:
-            gate, up = gate + lora.delta("gate_proj", x), up + lora.delta("up_proj", x)
+            gate = gate + lora.delta("gate_proj", x, self.lora_matmul)
+            up = up + lora.delta("up_proj", x, self.lora_matmul)
         act = jax.nn.silu(gate) * up
         out = linear(act, self.w_down[...], self.native, _value(self.w_down_scale), self.compute_dtype)
-        return out if lora is None else out + lora.delta("down_proj", act)
+        return out if lora is None else out + lora.delta("down_proj", act, self.lora_matmul)
 
 
 class DecoderLayer(nnx.Module):

@@ -98,7 +98,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - began)
     after = {name: llm.stats()["num_compilations"] for name, (llm, _) in configs.items()}
 
-    weight_bytes = base.engine.weight_bytes_per_device
+    weight_bytes = max(base.engine.weight_bytes_per_device.values())  # one device
     itemsize = np.dtype(lora.engine.model.dtype).itemsize
     per_adapter = sum(args.rank * (i + o) for t, (i, o) in target_dims(cfg).items()
                       if t in targets) * cfg.num_layers * itemsize

@@ -54,8 +54,8 @@ class ModelRunner(CompiledSteps):
 
     def __init__(self, model, buckets: Buckets, cache, max_blocks_per_seq: int, kv_dtype, mesh: Mesh | None = None,
                  lora_slots: tuple[int, int] | None = None):
-        """lora_slots: (slots, max rank) of the LoRA stacks (models.lora) the step takes,
-        slot 0 the base model; None: no LoRA."""
+        """lora_slots: (max_loras, max rank) of the LoRA stacks (models.lora) the step
+        takes; None: no LoRA."""
         cfg = model.config
         self.num_layers = cfg.num_layers
         self.buckets = buckets
@@ -80,8 +80,10 @@ class ModelRunner(CompiledSteps):
         self._weights, self._weights_tree = jax.tree.flatten(self.state)
         # LoRA: every slot's adapter matrices per target, [L, slots, ...] (models.lora)
         self.lora_stacks = None if lora_slots is None else lora_lib.init_stacks(
-            cfg, model.tp_layout, *lora_slots, model.dtype, self.mesh)
+            cfg, model.tp_layout, lora_lib.num_stack_slots(*lora_slots), lora_slots[1], model.dtype, self.mesh,
+            stacked=model.scan_layers)
         self._write_lora = jax.jit(lora_lib.write_slot, donate_argnums=(0,))
+        self._write_lora_executable = None
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                    (self._weights, self.kv, self.lora_stacks))
         # logit processors: penalty slots (per rank) and the all-allowed token mask per S
@@ -139,16 +141,27 @@ class ModelRunner(CompiledSteps):
         return self._forward(weights, kv, host_buffer.unpack(buf, layout), prev_tokens, lora_stacks)
 
     def load_lora_slot(self, slot: int, arrays: dict) -> None:
-        """Writes one LoRA slot (models.lora.slot_arrays) into the stacks; the next step
-        reads it. One compiled write serves every slot (the slot index is traced)."""
+        """Writes adapter slot `slot` (1..max_loras; arrays: models.lora.slot_arrays) into
+        the stacks; the next step reads it. One compiled write serves every slot."""
+        self._compile_lora_write()
+        arrays = jax.device_put(arrays, self._replicated)
         with self._state_lock:
-            self.lora_stacks = self._write_lora(self.lora_stacks, np.int32(slot), arrays)
+            self.lora_stacks = self._write_lora_executable(self.lora_stacks, np.int32(slot), arrays)
 
     def _compile_lora_write(self) -> None:
-        """Compiles the slot write by running it once on slot 0 with zeros (a no-op)."""
-        if self.lora_stacks is not None:
-            self.load_lora_slot(0, jax.tree.map(lambda x: np.zeros(x.shape[:1] + x.shape[2:], np.float32),
-                                                self.lora_stacks))
+        """Compiles the slot write (the slot index traced), once."""
+        if self.lora_stacks is None or self._write_lora_executable is not None:
+            return
+        with self._compile_lock:
+            if self._write_lora_executable is None:
+                def one_slot(x, axis):  # [L, ...] of one slot; axis: the slot axis of a layer's array
+                    layers, shape = (len(x), x[0].shape) if isinstance(x, tuple) else (x.shape[0], x.shape[1:])
+                    shape = (layers, *shape[:axis], *shape[axis + 1:])
+                    return jax.ShapeDtypeStruct(shape, np.float32, sharding=self._replicated)
+
+                arrays = {t: (one_slot(a, 0), one_slot(b, 1)) for t, (a, b) in self.lora_stacks.items()}
+                slot = jax.ShapeDtypeStruct((), np.int32, sharding=self._replicated)
+                self._write_lora_executable = self._write_lora.lower(self._specs[2], slot, arrays).compile()
 
     def _sample_packed(self, logits, buf, bitmask, pstate, layout: host_buffer.BufferLayout):
         """_sample_fn on SamplingInputs packed in buf [dp, N] int32."""

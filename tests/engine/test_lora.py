@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from lora_adapters import make_adapter, peft_model
-from models.lora import GATHER_MAX_TOKENS, lora_delta
+from models.lora import lora_delta, num_stack_slots
 from pagedjax import LLM, LoRARequest, SamplingParams
 from tiny_models import hf_greedy
 
 ENGINE = dict(max_num_seqs=8, max_model_len=256, block_size=8, num_blocks=160, dtype="float32",
               enable_lora=True, max_loras=2, max_lora_rank=8)
 MAX_NEW = 10
-# 6 and 19 tokens decode-sized; 100 tokens: a prompt step beyond GATHER_MAX_TOKENS (the one-hot path)
+# 6 and 19 tokens decode-sized (native CPU matmuls where they serve); 100 tokens: XLA's dots
 PROMPTS = [[5, 17, 33, 99, 2, 7], list(range(8, 27)), [(13 * i) % 380 + 2 for i in range(100)]]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
@@ -109,16 +109,16 @@ def test_adapters_beyond_the_host_cache_are_read_again(tiny_checkpoints, tmp_pat
     assert llm.stats()["lora_adapters_in_host_memory"] == 1 and llm.stats()["lora_disk_loads"] >= 4
 
 
-def test_lora_delta_gathered_and_one_hot_equal_numpy():
+def test_lora_delta_equals_numpy_per_token():
     rng = np.random.default_rng(0)
-    slots_n, r, n_in, n_out = 5, 4, 24, 40
+    slots_n, r, n_in, n_out, t = 5, 4, 24, 40, 33
     a = rng.normal(size=(slots_n, r, n_in)).astype(np.float32)
-    b = rng.normal(size=(slots_n, n_out, r)).astype(np.float32)
-    for t in (GATHER_MAX_TOKENS, GATHER_MAX_TOKENS + 16):  # gathered, one-hot
-        x = rng.normal(size=(t, n_in)).astype(np.float32)
-        slots = rng.integers(0, slots_n, size=t).astype(np.int32)
-        want = np.stack([b[s] @ (a[s] @ x[i]) for i, s in enumerate(slots)])
-        np.testing.assert_allclose(np.asarray(lora_delta(x, a, b, slots)), want, rtol=1e-4, atol=1e-4)
+    b = rng.normal(size=(n_out, slots_n, r)).astype(np.float32)
+    x = rng.normal(size=(t, n_in)).astype(np.float32)
+    slots = rng.integers(0, slots_n + 1, size=t).astype(np.int32)  # 0: no adapter
+    want = np.stack([np.zeros(n_out) if s == 0 else b[:, s - 1] @ (a[s - 1] @ x[i]) for i, s in enumerate(slots)])
+    np.testing.assert_allclose(np.asarray(lora_delta(x, a, b, slots)), want, rtol=1e-4, atol=1e-4)
+    assert [num_stack_slots(n, rank) for n, rank in ((16, 16), (2, 8), (3, 5), (1, 64))] == [16, 4, 32, 1]
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -168,8 +168,8 @@ def test_lora_under_tp_gives_the_same_tokens_with_stacks_split_like_their_weight
     for tp in (2, 4):
         case = results[f"lora_tp{tp}"]
         assert case["tokens"] == one["tokens"], tp
-        # [L, slots, out, r] and [L, slots, r, in]: 2 layers, 3 slots, rank 8, 64 q rows / o columns split tp ways
-        assert case["q_b_shards"] == [[2, 3, 64 // tp, 8]] * tp
-        assert case["o_a_shards"] == [[2, 3, 8, 64 // tp]] * tp
+        # layer 0's [slots, out, r] and [slots, r, in]: 3 slots, rank 8, 64 q rows / o columns split tp ways
+        assert case["q_b_shards"] == [[3, 64 // tp, 8]] * tp
+        assert case["o_a_shards"] == [[3, 8, 64 // tp]] * tp
     assert one["tokens"][0] == one["base"][0]  # no adapter: the base model
     assert one["tokens"][1] != one["base"][1] and one["tokens"][2] != one["base"][2]  # the adapters change them

@@ -120,8 +120,9 @@ def main(out_dir: Path) -> dict:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True), lora_request=loras, use_tqdm=False)
         stacks = llm.engine.runner.lora_stacks
         res[f"lora_tp{tp}"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                               "q_b_shards": [list(x.data.shape) for x in stacks["q_proj"][1].addressable_shards],
-                               "o_a_shards": [list(x.data.shape) for x in stacks["o_proj"][0].addressable_shards],
+                               # layer 0's (unrolled layers: a tuple of per-layer arrays)
+                               "q_b_shards": [list(x.data.shape) for x in stacks["q_proj"][1][0].addressable_shards],
+                               "o_a_shards": [list(x.data.shape) for x in stacks["o_proj"][0][0].addressable_shards],
                                "base": greedy(llm)}
         del llm
     for tp in (1, 2):  # a pool too small for all three: the newest requests are preempted and recomputed
