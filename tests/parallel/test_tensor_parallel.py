@@ -163,13 +163,14 @@ def test_int8_weights_and_kv_under_tp(results):
 def test_lora_under_tp_gives_the_same_tokens_with_stacks_split_like_their_weights(results):
     """A batch mixing the base model and two adapters: the same greedy tokens at tp 1, 2 and
     4 (tp 4 repeats the KV heads, and k/v's LoRA rows with them); q's b split on its output
-    rows, o's a on its input columns, like wqkv and wo (one device's share of 4 x 16 = 64)."""
+    rows, o's a on its input columns, like wqkv and wo."""
     one = results["lora_tp1"]
     for tp in (2, 4):
         case = results[f"lora_tp{tp}"]
         assert case["tokens"] == one["tokens"], tp
-        # layer 0's [slots, out, r] and [slots, r, in]: 3 slots, rank 8, 64 q rows / o columns split tp ways
-        assert case["q_b_shards"] == [[3, 64 // tp, 8]] * tp
-        assert case["o_a_shards"] == [[3, 8, 64 // tp]] * tp
+        # layer 0's b [out, S, r] and a [S, r, in]: S = 4 (2 adapters, rounded up: 4 x rank 8 = 32),
+        # 64 q rows / o columns split tp ways
+        assert case["q_b_shards"] == [[64 // tp, 4, 8]] * tp
+        assert case["o_a_shards"] == [[4, 8, 64 // tp]] * tp
     assert one["tokens"][0] == one["base"][0]  # no adapter: the base model
     assert one["tokens"][1] != one["base"][1] and one["tokens"][2] != one["base"][2]  # the adapters change them
