@@ -196,9 +196,9 @@ class Attention(_LoRAMatmul, nnx.Module):
         k = qkv[:, :, hq:hq + hk].reshape(t, hkv, d)  # [T, Hkv, D]
         v = qkv[:, :, hq + hk:].reshape(t, hkv, d)
         if lora is not None:
-            q = q + lora.delta("q_proj", x, self.lora_matmul).reshape(t, h, d)
-            k = k + lora.delta("k_proj", x, self.lora_matmul).reshape(t, hkv, d)
-            v = v + lora.delta("v_proj", x, self.lora_matmul).reshape(t, hkv, d)
+            q = lora.add("q_proj", q, x, self.lora_matmul)
+            k = lora.add("k_proj", k, x, self.lora_matmul)
+            v = lora.add("v_proj", v, x, self.lora_matmul)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
@@ -207,7 +207,7 @@ class Attention(_LoRAMatmul, nnx.Module):
         o = o.reshape(t, h * d)
         out = linear(o, self.wo[...], self.native, _value(self.wo_scale), self.compute_dtype)
         if lora is not None:
-            out = out + lora.delta("o_proj", o, self.lora_matmul)
+            out = lora.add("o_proj", out, o, self.lora_matmul)
         if self.bo is not None:
             out = out + self.bo[...]
         return kv, out
@@ -228,11 +228,11 @@ class MLP(_LoRAMatmul, nnx.Module):
         gu = gu.reshape(*gu.shape[:-1], self.num_shards, 2, i // self.num_shards)
         gate, up = gu[..., 0, :].reshape(*gu.shape[:-3], i), gu[..., 1, :].reshape(*gu.shape[:-3], i)
         if lora is not None:
-            gate = gate + lora.delta("gate_proj", x, self.lora_matmul)
-            up = up + lora.delta("up_proj", x, self.lora_matmul)
+            gate = lora.add("gate_proj", gate, x, self.lora_matmul)
+            up = lora.add("up_proj", up, x, self.lora_matmul)
         act = jax.nn.silu(gate) * up
         out = linear(act, self.w_down[...], self.native, _value(self.w_down_scale), self.compute_dtype)
-        return out if lora is None else out + lora.delta("down_proj", act, self.lora_matmul)
+        return out if lora is None else lora.add("down_proj", out, act, self.lora_matmul)
 
 
 class DecoderLayer(nnx.Module):

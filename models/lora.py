@@ -70,10 +70,11 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
+def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, targets=TARGETS) -> LoRAAdapter:
     """Reads a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for a
     model of config `cfg`; raises ValueError saying what is wrong (missing files, an
-    unsupported kind of adapter, a rank above max_rank, shapes that do not fit the model)."""
+    unsupported kind of adapter, a projection outside `targets`, a rank above max_rank,
+    shapes that do not fit the model)."""
     from safetensors.numpy import load_file
 
     path = Path(path)
@@ -107,6 +108,10 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRA
     if not pairs:
         raise ValueError(f"{path}: adapter_model.safetensors holds no LoRA matrices")
     dims = target_dims(cfg)
+    extra = sorted({t for _, t in pairs} - set(targets))
+    if extra:
+        raise ValueError(f"{path}: the adapter has LoRA matrices on {', '.join(extra)}; this engine serves adapters "
+                         f"on {', '.join(targets)} only (lora_target_modules)")
     weights, rank = {}, 0
     for (layer, target), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -156,13 +161,16 @@ def stack_specs(layout: TPLayout, stacked: bool = True) -> dict[str, tuple[P, P]
 
 
 def init_stacks(cfg: ModelConfig, layout: TPLayout, num_slots: int, max_rank: int, dtype, mesh=None,
-                stacked: bool = True) -> dict:
+                stacked: bool = True, targets=TARGETS) -> dict:
     """Zero stacks: target -> (a [L, S, max_rank, in], b [L, out, S, max_rank]) with S =
-    num_slots. stacked=False: a tuple of L arrays each instead (unrolled layers: XLA:CPU
-    would copy each layer's slice out of a stack before its matmuls)."""
+    num_slots, for each of `targets` (the projections adapters may change: each costs every
+    step that has adapters). stacked=False: a tuple of L arrays each instead (unrolled layers:
+    XLA:CPU would copy each layer's slice out of a stack before its matmuls)."""
     specs = stack_specs(layout, stacked)
     out = {}
     for t, (n_in, n_out) in target_dims(cfg, layout).items():
+        if t not in targets:
+            continue
         shapes = ((num_slots, max_rank, n_in), (n_out, num_slots, max_rank))
         if stacked:
             out[t] = tuple(_zeros((cfg.num_layers, *shape), dtype, mesh, spec) for shape, spec in zip(shapes, specs[t]))
@@ -178,12 +186,16 @@ def _zeros(shape, dtype, mesh, spec):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))()
 
 
-def slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, layout: TPLayout, max_rank: int) -> dict:
+def slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, layout: TPLayout, max_rank: int,
+                targets=TARGETS) -> dict:
     """An adapter as one slot of the stacks (numpy float32): target -> (a [L, max_rank, in],
-    b [L, out, max_rank]); targets and layers it lacks, and None (an empty slot), are zeros."""
+    b [L, out, max_rank]) for each of `targets`; targets and layers it lacks, and None (an
+    empty slot), are zeros."""
     out = {}
     rep = layout.num_kv_heads // cfg.num_kv_heads
     for t, (n_in, n_out) in target_dims(cfg, layout).items():
+        if t not in targets:
+            continue
         a = np.zeros((cfg.num_layers, max_rank, n_in), np.float32)
         b = np.zeros((cfg.num_layers, n_out, max_rank), np.float32)
         for layer in range(cfg.num_layers):
@@ -238,6 +250,14 @@ class LoRABatch:
     def layer(self, i) -> "LoRABatch":
         """Layer i's matrices (a static or traced layer index)."""
         return LoRABatch(self.slots, {t: (a[i], b[i]) for t, (a, b) in self.stacks.items()})
+
+    def add(self, target: str, y, x, matmul=_einsum_matmul):
+        """y (projection `target`'s output for input x [T, in], any shape of T * out
+        values) plus the adapters' term; y itself when no slot adapts that projection (self:
+        one layer's stacks; matmul: see lora_delta)."""
+        if target not in self.stacks:
+            return y
+        return y + self.delta(target, x, matmul).reshape(y.shape)
 
     def delta(self, target: str, x, matmul=_einsum_matmul):
         """The adapters' term of projection `target` for input x [T, in] -> [T, out] float32

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.dtypes import DTYPES, KV_CACHE_DTYPES, check_dtype, check_kv_cache_dtype
+from models.lora import TARGETS as LORA_TARGETS
 from models.quantization import QUANTIZATIONS, check_quantization
 
 from pagedjax.spec_decode.config import SpeculativeConfig
@@ -25,6 +26,11 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def _name_list(text: str) -> list[str]:
+    """A command-line comma-separated list (argparse type)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def option(default, help: str, type=None, **cli):
@@ -65,6 +71,10 @@ class EngineConfig:
     max_loras: int = option(4, "LoRA adapters held in device memory at once (the slots one step may mix)", int)
     max_lora_rank: int = option(16, "the largest LoRA rank served (slots are sized for it)", int)
     max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory (LRU; default: max_loras)", int)
+    lora_target_modules: list[str] | None = option(
+        None, "the projections LoRA adapters may change, comma-separated (default: all of " + ",".join(LORA_TARGETS)
+        + "); each one costs every step with adapters, an adapter on others is refused", _name_list,
+        metavar="NAMES")
     seed: int = option(0, "engine seed (requests without a seed of their own draw theirs from it)", int)
     kv_cache_memory_gb: float | None = option(None, "KV memory per data-parallel rank, split over its tensor-parallel "
                                               "devices (default: 2 GiB on CPU, 0.8 of the free device memory "
@@ -107,6 +117,12 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.lora_target_modules is None:
+            self.lora_target_modules = list(LORA_TARGETS)
+        unknown = sorted(set(self.lora_target_modules) - set(LORA_TARGETS))
+        if unknown or not self.lora_target_modules:
+            raise ValueError(f"lora_target_modules must name some of {', '.join(LORA_TARGETS)}, got "
+                             f"{self.lora_target_modules!r}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -15,7 +15,8 @@ step gathers), the memory-bound floor of the ratio.
 Adapters are random, written in PEFT's format (adapter_config.json + safetensors) with numpy.
 
     python scripts/bench_lora.py                       # the default model, all 7 projections
-    python scripts/bench_lora.py --targets q_proj,v_proj
+    python scripts/bench_lora.py --targets q_proj,v_proj  # PEFT's default targets (the engine's
+                                                          # lora_target_modules set to the same)
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def main() -> None:
              for i in range(1, 17)]
     common = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=256)
     base = LLM(model, **common)
-    lora = LLM(model, enable_lora=True, max_loras=16, max_lora_rank=args.rank, **common)
+    lora = LLM(model, enable_lora=True, max_loras=16, max_lora_rank=args.rank, lora_target_modules=targets, **common)
     for llm in (base, lora):
         llm.wait_for_warmup()
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)

@@ -85,11 +85,12 @@ class LLMEngine:
                  PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.attention_impl, mesh=self.mesh))
         self.runner = ModelRunner(self.model, self.buckets, cache, -(-cfg.max_model_len // plan.block_size),
                                   plan.kv_dtype, self.mesh,
-                                  lora_slots=(cfg.max_loras + 1, cfg.max_lora_rank) if cfg.enable_lora else None)
+                                  lora_slots=(cfg.max_loras, cfg.max_lora_rank, tuple(cfg.lora_target_modules))
+                                  if cfg.enable_lora else None)
         self.lora: LoRAManager | None = None  # multi-LoRA (enable_lora): adapters and their device slots
         if cfg.enable_lora:
             self.lora = LoRAManager(self.model_config, self.model.tp_layout, cfg.max_loras, cfg.max_lora_rank,
-                                    cfg.max_cpu_loras, self.schedulers)
+                                    cfg.max_cpu_loras, self.schedulers, cfg.lora_target_modules)
             for sched in self.schedulers:
                 sched.lora = self.lora
         self.compile_ahead = CompileAhead(self.runner, self.buckets, cfg.max_model_len)

@@ -21,8 +21,9 @@ from pagedjax.lora.request import LoRARequest
 
 
 class LoRAManager:
-    def __init__(self, model_config, layout, max_loras: int, max_lora_rank: int, max_cpu_loras: int, schedulers):
-        self.model_config, self.layout = model_config, layout
+    def __init__(self, model_config, layout, max_loras: int, max_lora_rank: int, max_cpu_loras: int, schedulers,
+                 targets: tuple[str, ...]):
+        self.model_config, self.layout, self.targets = model_config, layout, tuple(targets)
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.schedulers = schedulers  # every data rank's: the running requests pin their slots
         self.known: dict[int, LoRARequest] = {}  # lora_int_id -> its request (name, path)
@@ -63,7 +64,7 @@ class LoRAManager:
     def _host_copy(self, lora: LoRARequest) -> LoRAAdapter:
         adapter = self._host.get(lora.lora_int_id)
         if adapter is None:
-            adapter = load_peft_adapter(lora.lora_path, self.model_config, self.max_lora_rank)
+            adapter = load_peft_adapter(lora.lora_path, self.model_config, self.max_lora_rank, self.targets)
             self.num_disk_loads += 1
             self._host[lora.lora_int_id] = adapter
             while len(self._host) > self.max_cpu_loras:
@@ -97,7 +98,7 @@ class LoRAManager:
         """Writes the slots filled since the last step: load_slot(slot, arrays) per slot
         (the runner's; arrays: models.lora.slot_arrays)."""
         for slot, adapter in self._pending:
-            load_slot(slot, slot_arrays(adapter, self.model_config, self.layout, self.max_lora_rank))
+            load_slot(slot, slot_arrays(adapter, self.model_config, self.layout, self.max_lora_rank, self.targets))
             self.num_slot_loads += 1
         self._pending = []
 

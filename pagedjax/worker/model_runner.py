@@ -53,9 +53,9 @@ class ModelRunner(CompiledSteps):
     """Owns the model parameters, the device KV cache and the compiled step executables."""
 
     def __init__(self, model, buckets: Buckets, cache, max_blocks_per_seq: int, kv_dtype, mesh: Mesh | None = None,
-                 lora_slots: tuple[int, int] | None = None):
-        """lora_slots: (max_loras, max rank) of the LoRA stacks (models.lora) the step
-        takes; None: no LoRA."""
+                 lora_slots: tuple[int, int, tuple[str, ...]] | None = None):
+        """lora_slots: (max_loras, max rank, target projections) of the LoRA stacks
+        (models.lora) the step takes; None: no LoRA."""
         cfg = model.config
         self.num_layers = cfg.num_layers
         self.buckets = buckets
@@ -80,8 +80,8 @@ class ModelRunner(CompiledSteps):
         self._weights, self._weights_tree = jax.tree.flatten(self.state)
         # LoRA: every slot's adapter matrices per target, [L, slots, ...] (models.lora)
         self.lora_stacks = None if lora_slots is None else lora_lib.init_stacks(
-            cfg, model.tp_layout, lora_lib.num_stack_slots(*lora_slots), lora_slots[1], model.dtype, self.mesh,
-            stacked=model.scan_layers)
+            cfg, model.tp_layout, lora_lib.num_stack_slots(*lora_slots[:2]), lora_slots[1], model.dtype, self.mesh,
+            stacked=model.scan_layers, targets=lora_slots[2])
         self._write_lora = jax.jit(lora_lib.write_slot, donate_argnums=(0,))
         self._write_lora_executable = None
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

@@ -55,6 +55,20 @@ def test_greedy_equals_transformers_with_peft(family, llm, name):
     assert ours != base
 
 
+def test_an_engine_for_q_and_v_only_serves_their_adapters(family):
+    """lora_target_modules=q_proj,v_proj: stacks for those two only; the q/v adapter equals
+    peft as before, and an adapter on other projections is refused."""
+    path, loras = family
+    llm = LLM(str(path), warmup=False, lora_target_modules=["q_proj", "v_proj"], **ENGINE)
+    assert sorted(llm.engine.runner.lora_stacks) == ["q_proj", "v_proj"]
+    ours = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=loras["r4"], use_tqdm=False))
+    assert ours == [hf_greedy(peft_model(path, loras["r4"].lora_path), p, MAX_NEW) for p in PROMPTS]
+    with pytest.raises(ValueError, match="serves adapters on q_proj, v_proj only"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=loras["r8"], use_tqdm=False)
+    with pytest.raises(ValueError, match="lora_target_modules must name some of"):
+        LLM(str(path), warmup=False, lora_target_modules=["q", "v_proj"], **ENGINE)
+
+
 def test_mixed_batch_equals_each_alone(family, llm):
     """Three adapters and the base model in one batch, with max_loras=2: the third adapter
     waits for a slot, evicting the least recently used one once its requests are done."""
