@@ -177,8 +177,7 @@ def test_default_model_with_a_random_adapter_equals_transformers_with_peft(defau
                                                                             tmp_path):
     """SmolLM2-135M-Instruct with a rank-16 adapter on every projection (float32 both sides)."""
     adapter = make_adapter(default_model_path, tmp_path / "smol", 16, std=0.01, seed=3)
-    prompts = [default_tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
-                                                      "Once upon a time", "Water boils at")]
+    prompts = [default_tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     llm = LLM(default_model_path, warmup=False, max_num_seqs=4, max_model_len=128, num_blocks=64, dtype="float32",
               enable_lora=True, max_loras=1, max_lora_rank=16)
     lora = LoRARequest("smol", 1, str(adapter))
