@@ -94,7 +94,10 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, targets
         raise ValueError(f"{path}: modules_to_save ({conf['modules_to_save']}) is not supported: only LoRA "
                          "matrices on the attention and MLP projections")
     alpha, alpha_pattern = float(conf.get("lora_alpha", 8)), conf.get("alpha_pattern") or {}
-    raw = load_file(str(weights_file))
+    try:
+        raw = load_file(str(weights_file))
+    except Exception as e:  # safetensors' own error types: a truncated or foreign file
+        raise ValueError(f"{path}: adapter_model.safetensors cannot be read ({e})") from None
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in raw.items():
         m = _KEY.match(key)
@@ -142,13 +145,14 @@ def _pattern_value(pattern: dict, module: str, default: float) -> float:
 
 
 # -- device stacks ---------------------------------------------------------------------
-def num_stack_slots(max_loras: int, max_rank: int) -> int:
-    """Slots the stacks hold: max_loras, rounded up so that slots x rank is a multiple of 32
-    (the native CPU kernels' bf16 contraction width; the extra slots stay zero)."""
-    s = max_loras
-    while (s * max_rank) % 32:
-        s += 1
-    return s
+def stack_shape(max_loras: int, max_rank: int) -> tuple[int, int]:
+    """(slots, rank) of the stacks: on a CPU the smallest slots >= max_loras and rank >=
+    max_rank whose product is a multiple of 32 (the native kernels' bf16 contraction width;
+    what is added stays zero), elsewhere (max_loras, max_rank)."""
+    if jax.default_backend() != "cpu":
+        return max_loras, max_rank
+    shapes = [(s, r) for s in range(max_loras, max_loras + 32) for r in range(max_rank, max_rank + 32) if s * r % 32 == 0]
+    return min(shapes, key=lambda sr: (sr[0] * sr[1], sr[0]))
 
 
 def stack_specs(layout: TPLayout, stacked: bool = True) -> dict[str, tuple[P, P]]:
@@ -211,12 +215,16 @@ def slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, layout: TPLayout,
 
 def write_slot(stacks: dict, slot, arrays: dict) -> dict:
     """The stacks with adapter slot `slot` (1..S, a traced int32) replaced by `arrays`
-    (slot_arrays: a [L, r, in], b [L, out, r])."""
+    (slot_arrays: a [L, r, in], b [L, out, r], r up to the stacks' rank)."""
+    def update(stack, x, axis):  # x: stack's shape without the slot axis `axis` (rank axis <= the stack's)
+        start = [0] * stack.ndim
+        start[axis] = slot - 1
+        return jax.lax.dynamic_update_slice(stack, jnp.expand_dims(x.astype(stack.dtype), axis), start)
+
     def put(stack, x, axis):  # axis: the slot axis of one layer's array
         if isinstance(stack, tuple):  # one array per layer
-            return tuple(jax.lax.dynamic_update_index_in_dim(s, x[i].astype(s.dtype), slot - 1, axis)
-                         for i, s in enumerate(stack))
-        return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), slot - 1, axis + 1)
+            return tuple(update(s, x[i], axis) for i, s in enumerate(stack))
+        return update(stack, x, axis + 1)
 
     return {t: (put(a, arrays[t][0], 0), put(b, arrays[t][1], 1)) for t, (a, b) in stacks.items()}
 

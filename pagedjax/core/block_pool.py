@@ -12,17 +12,25 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None = None) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None = None,
+               adapter_key: str | None = None) -> bytes:
     """Chained prefix-cache key of a full block: sha256 (32 bytes) over the parent block's key,
-    the salt and the block's token ids, so equal keys mean equal prefixes up to and including
-    this block (and equal salts), the same in every process. Callers pass the request's
-    `cache_salt` for its first block only (the chain carries it on); None and "" are no salt.
+    the salt, the LoRA adapter and the block's token ids, so equal keys mean equal prefixes up
+    to and including this block (and equal salts and adapters), the same in every process.
+    Callers pass the request's `cache_salt` and `lora_key` for its first block only (the chain
+    carries them on); None and "" are none.
 
-    Input bytes: a tag (0: first block, 1: followed by the 32-byte parent key), the salt's UTF-8
-    length (8 bytes) and bytes, then the token ids as little-endian int64: no two inputs
-    serialize alike."""
+    Input bytes: a tag (0: first block, 1: followed by the 32-byte parent key, 2: first block,
+    followed by the adapter key's UTF-8 length (8 bytes) and bytes), the salt's UTF-8 length
+    (8 bytes) and bytes, then the token ids as little-endian int64: no two inputs serialize
+    alike."""
     salt = cache_salt.encode() if cache_salt else b""
     head = b"\x00" if parent_hash is None else b"\x01" + parent_hash
+    if adapter_key:
+        if parent_hash is not None:
+            raise ValueError("the adapter key goes into a request's first block only")
+        key = adapter_key.encode()
+        head = b"\x02" + len(key).to_bytes(8, "little") + key
     tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
     return hashlib.sha256(head + len(salt).to_bytes(8, "little") + salt + tokens).digest()
 

@@ -39,7 +39,8 @@ class Request:
     reserved_seats: int = 0  # running slots held for sequences this request will fork later
     num_passed: int = 0  # later requests admitted before it while it did not fit (bounded: no starvation)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
-    lora_request: object = None  # the LoRARequest it runs with (pagedjax.lora), None: the base model
+    lora_adapter: object = None  # the LoRA adapter it runs with (its host copy, models.lora), None: the base model
+    lora_key: str | None = None  # that adapter's content fingerprint: part of its prefix-cache keys
     lora_slot: int = 0  # the device slot of its adapter while it runs (LoRAManager.admit), 0: none
     draft_token_ids: list[int] = field(default_factory=list)  # speculative guesses of the next tokens
     num_drafted: int = 0  # draft tokens verified so far, and accepted (its acceptance estimate)

@@ -351,14 +351,14 @@ class AsyncEngine:
             _, stream, prompt, params, cache_salt, lora_request, admitted = command
             # only the options given: an engine without them (a test double) still serves the rest
             extra = {k: v for k, v in (("cache_salt", cache_salt), ("lora_request", lora_request)) if v is not None}
+            if lora_request is not None and lora_request not in self._engine_loras():  # unloaded since the lookup
+                _resolve(stream.loop, admitted, ValueError(f"the LoRA adapter {lora_request.lora_name!r} is not loaded"))
+                return
             try:
                 self.engine.add_request(stream.request_id, prompt, params, **extra)
             except Exception as exc:
                 _resolve(stream.loop, admitted, exc)
                 return
-            finally:
-                if lora_request is not None and self.loras.get(lora_request.lora_name) != lora_request:
-                    self._refresh_loras()  # the engine registers an adapter a request names
             self._streams[stream.request_id] = stream
             _resolve(stream.loop, admitted, None)
         elif kind == "add_beam":

@@ -26,7 +26,7 @@ from pagedjax.engine import engine_stats
 from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_sizing import plan_kv
 from pagedjax.engine.output_processor import OutputProcessor
-from pagedjax.lora.manager import LoRAManager, cache_salt as lora_cache_salt
+from pagedjax.lora.manager import LoRAManager
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.data_parallel import DataParallelRouter
 from pagedjax.parallel.distributed import is_multiprocess
@@ -126,10 +126,11 @@ class LLMEngine:
         lora_request: a LoRARequest (needs enable_lora) to run the request with that adapter."""
         params = params or SamplingParams()
         self._check_new_id(request_id)
+        adapter = None
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("a lora_request needs an engine started with enable_lora=True")
-            cache_salt = lora_cache_salt(cache_salt, self.lora.add(lora_request))
+            adapter = self.lora.add(lora_request)  # registered and read if new (its host copy)
         if self.tokenizer is None and params.stop_strings:
             raise ValueError(f"{self.model_name} has no tokenizer: stop strings cannot be matched")
         text, ids = self.inputs.tokenize(prompt)
@@ -139,7 +140,8 @@ class LLMEngine:
             self.masks.add(seq_ids, params)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
         reqs = [Request(rid, list(ids), params, base_seed + i, self.eos_token_ids, cache_salt=cache_salt,
-                        lora_request=lora_request) for i, rid in enumerate(seq_ids)]
+                        lora_adapter=adapter, lora_key=adapter and adapter.fingerprint)
+                for i, rid in enumerate(seq_ids)]
         reqs[0].pending_forks, reqs[0].reserved_seats = reqs[1:], len(reqs) - 1
         rank = self.router.route(reqs[0])
         self.schedulers[rank].add(reqs[0])

@@ -1,12 +1,16 @@
 """LoRAManager: which adapters are known, read into host memory, and held in device slots.
 
-Three tiers, each bounded:
+Three tiers:
 - known adapters (LoRARequest by id): what requests and the server may name;
-- host copies (LRU, `max_cpu_loras`): read from disk once (`add`), re-read if evicted;
-- device slots 1..max_loras (slot 0 is the base model): a request is admitted only once its
-  adapter holds a slot (`admit`, the scheduler's gate). A slot is taken from no running
-  request while any uses it; a free slot goes to the least recently used adapter's
-  successor. The writes of newly filled slots run before the next step (`flush`).
+- host copies (LRU, `max_cpu_loras`): read from disk by `add` (at add_request, add_lora or
+  server start), read again there if evicted. A request holds its adapter's host copy
+  itself (`Request.lora_adapter`) until it ends, so nothing on the scheduling path reads
+  a file, and unloading or re-registering an id never changes what a queued request runs;
+- device slots 1..max_loras (slot 0 is the base model), keyed by the adapter's content
+  (its fingerprint): a request is admitted only once its adapter holds a slot (`admit`, the
+  scheduler's gate). A slot is taken from no running request while any uses it; a free slot
+  goes empty first, else least recently used. The writes of newly filled slots run before
+  the next step (`flush`).
 
 Only host bookkeeping here; the device stacks and their writes are the runner's
 (models.lora, ModelRunner.load_lora_slot).
@@ -28,7 +32,7 @@ class LoRAManager:
         self.schedulers = schedulers  # every data rank's: the running requests pin their slots
         self.known: dict[int, LoRARequest] = {}  # lora_int_id -> its request (name, path)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU: last = most recently used
-        self.slot_ids: list[int | None] = [None] * max_loras  # device slot s + 1 holds adapter slot_ids[s]
+        self.slot_keys: list[str | None] = [None] * max_loras  # device slot s + 1 holds the adapter of this fingerprint
         self._last_use = [0] * max_loras
         self._clock = itertools.count(1)
         self._pending: list[tuple[int, LoRAAdapter]] = []  # (slot, adapter) to write before the next step
@@ -50,12 +54,11 @@ class LoRAManager:
         return adapter
 
     def remove(self, lora_int_id: int) -> LoRARequest:
-        """Forgets an adapter (KeyError if unknown): new requests cannot name it; running ones
-        finish with it; its device slot is reused once they have."""
+        """Forgets an adapter (KeyError if unknown): new requests cannot name it; queued and
+        running ones finish with it (they hold its host copy); its device slot is reused once
+        no running request needs it."""
         lora = self.known.pop(lora_int_id)
         self._host.pop(lora_int_id, None)
-        if lora_int_id in self.slot_ids:  # the slot is free once no running request uses it
-            self.slot_ids[self.slot_ids.index(lora_int_id)] = None
         return lora
 
     def by_name(self, name: str) -> LoRARequest | None:
@@ -76,20 +79,20 @@ class LoRAManager:
     def admit(self, req) -> bool:
         """The scheduler's gate: True when req may run now, with `req.lora_slot` set (0: no
         adapter); False while every slot is held by other adapters' running requests."""
-        lora = req.lora_request
-        if lora is None:
+        adapter = req.lora_adapter
+        if adapter is None:
             req.lora_slot = 0
             return True
-        if lora.lora_int_id in self.slot_ids:
-            s = self.slot_ids.index(lora.lora_int_id)
+        if adapter.fingerprint in self.slot_keys:
+            s = self.slot_keys.index(adapter.fingerprint)
         else:
-            busy = {r.lora_slot for sched in self.schedulers for r in sched.running if r.lora_request is not None}
+            busy = {r.lora_slot for sched in self.schedulers for r in sched.running if r.lora_adapter is not None}
             free = [s for s in range(self.max_loras) if s + 1 not in busy]
             if not free:
                 return False
-            s = min(free, key=lambda i: (self.slot_ids[i] is not None, self._last_use[i]))  # empty, else LRU
-            self.slot_ids[s] = lora.lora_int_id
-            self._pending.append((s + 1, self._host_copy(lora)))
+            s = min(free, key=lambda i: (self.slot_keys[i] is not None, self._last_use[i]))  # empty, else LRU
+            self.slot_keys[s] = adapter.fingerprint
+            self._pending.append((s + 1, adapter))
         self._last_use[s] = next(self._clock)
         req.lora_slot = s + 1
         return True
@@ -105,11 +108,6 @@ class LoRAManager:
     def stats(self) -> dict:
         return {"max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,
                 "lora_adapters_known": len(self.known), "lora_adapters_in_host_memory": len(self._host),
-                "lora_slots_used": sum(i is not None for i in self.slot_ids),
+                "lora_slots_used": sum(k is not None for k in self.slot_keys),
                 "lora_slot_loads": self.num_slot_loads, "lora_disk_loads": self.num_disk_loads}
 
-
-def cache_salt(salt: str | None, adapter: LoRAAdapter) -> str:
-    """The prefix-cache salt of a request running with `adapter`: its KV is the adapter's own,
-    never shared with the base model's or another adapter's (keyed by the adapter's content)."""
-    return f"{salt or ''}\x00lora:{adapter.fingerprint}"

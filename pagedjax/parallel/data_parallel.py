@@ -51,4 +51,4 @@ class DataParallelRouter:
         bs = self.schedulers[0].block_size
         if req.num_prompt_tokens <= bs:
             return None
-        return hash_block(None, tuple(req.prompt_token_ids[:bs]), req.cache_salt)
+        return hash_block(None, tuple(req.prompt_token_ids[:bs]), req.cache_salt, req.lora_key)

@@ -80,8 +80,9 @@ class ModelRunner(CompiledSteps):
         self._weights, self._weights_tree = jax.tree.flatten(self.state)
         # LoRA: every slot's adapter matrices per target, [L, slots, ...] (models.lora)
         self.lora_stacks = None if lora_slots is None else lora_lib.init_stacks(
-            cfg, model.tp_layout, lora_lib.num_stack_slots(*lora_slots[:2]), lora_slots[1], model.dtype, self.mesh,
+            cfg, model.tp_layout, *lora_lib.stack_shape(*lora_slots[:2]), model.dtype, self.mesh,
             stacked=model.scan_layers, targets=lora_slots[2])
+        self._lora_rank = None if lora_slots is None else lora_slots[1]  # of the slot writes' arrays
         self._write_lora = jax.jit(lora_lib.write_slot, donate_argnums=(0,))
         self._write_lora_executable = None
         self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
@@ -154,12 +155,14 @@ class ModelRunner(CompiledSteps):
             return
         with self._compile_lock:
             if self._write_lora_executable is None:
-                def one_slot(x, axis):  # [L, ...] of one slot; axis: the slot axis of a layer's array
-                    layers, shape = (len(x), x[0].shape) if isinstance(x, tuple) else (x.shape[0], x.shape[1:])
-                    shape = (layers, *shape[:axis], *shape[axis + 1:])
-                    return jax.ShapeDtypeStruct(shape, np.float32, sharding=self._replicated)
+                def one_slot(x, *shape):  # [L, *shape] (models.lora.slot_arrays)
+                    layers = len(x) if isinstance(x, tuple) else x.shape[0]
+                    return jax.ShapeDtypeStruct((layers, *shape), np.float32, sharding=self._replicated)
 
-                arrays = {t: (one_slot(a, 0), one_slot(b, 1)) for t, (a, b) in self.lora_stacks.items()}
+                r = self._lora_rank  # a [S, R, in], b [out, S, R] per layer
+                arrays = {t: (one_slot(a, r, (a[0] if isinstance(a, tuple) else a[0]).shape[-1]),
+                              one_slot(b, (b[0] if isinstance(b, tuple) else b[0]).shape[0], r))
+                          for t, (a, b) in self.lora_stacks.items()}
                 slot = jax.ShapeDtypeStruct((), np.int32, sharding=self._replicated)
                 self._write_lora_executable = self._write_lora.lower(self._specs[2], slot, arrays).compile()
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lora_adapters import make_adapter, peft_model
-from models.lora import lora_delta, num_stack_slots
+from models.lora import lora_delta, stack_shape
 from pagedjax import LLM, LoRARequest, SamplingParams
 from tiny_models import hf_greedy
 
@@ -97,6 +97,39 @@ def test_prefix_cache_is_keyed_by_the_adapter(family, llm):
         llm.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True), lora_request=lr, use_tqdm=False)
         hits.append(llm.stats()["prefix_cache_hit_tokens"] - before)
     assert hits[:3] == [0, 0, 0] and hits[3] >= 32
+    adapter = llm.engine.lora.add(loras["r8"])  # a base request cannot forge the adapter's key with its salt
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    for salt in (adapter.fingerprint, f"\x00lora:{adapter.fingerprint}"):
+        llm.engine.add_request(f"forge-{salt[:3]}", prompt[0], SamplingParams(max_tokens=1), cache_salt=salt)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.stats()["prefix_cache_hit_tokens"] == before
+
+
+def test_a_queued_request_keeps_its_adapter_when_its_id_is_unloaded_and_reused(family):
+    """max_loras=1: a request for adapter b (id 2) waits for the slot; b is unloaded and id 2
+    given to adapter c meanwhile: the queued request still runs with b, the new one with c."""
+    path, loras = family
+    llm = LLM(str(path), warmup=False, **{**ENGINE, "max_loras": 1})
+    a, b = loras["r8"], LoRARequest("b", 2, loras["r4"].lora_path)
+    c = LoRARequest("c", 2, loras["r2"].lora_path)
+    alone = {lr.lora_name: _tokens(llm.generate(PROMPTS[:1], GREEDY, lora_request=lr, use_tqdm=False))[0]
+             for lr in (a, b)}
+    assert llm.engine.remove_lora(2)
+    alone["c"] = _tokens(llm.generate(PROMPTS[:1], GREEDY, lora_request=c, use_tqdm=False))[0]
+    assert llm.engine.remove_lora(2)
+    engine, done = llm.engine, {}
+    engine.add_request("ra", PROMPTS[0], GREEDY, lora_request=a)
+    engine.add_request("rb", PROMPTS[0], GREEDY, lora_request=b)
+    engine.step()  # ra holds the one slot, rb waits
+    assert engine.remove_lora(2)
+    engine.add_request("rc", PROMPTS[0], GREEDY, lora_request=c)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert done == {"ra": alone["r8"], "rb": alone["b"], "rc": alone["c"]}
+    assert len({tuple(t) for t in done.values()}) == 3
 
 
 def test_no_compilation_after_warmup_when_adapters_load_swap_and_mix(tiny_checkpoints, tmp_path):
@@ -132,7 +165,9 @@ def test_lora_delta_equals_numpy_per_token():
     slots = rng.integers(0, slots_n + 1, size=t).astype(np.int32)  # 0: no adapter
     want = np.stack([np.zeros(n_out) if s == 0 else b[:, s - 1] @ (a[s - 1] @ x[i]) for i, s in enumerate(slots)])
     np.testing.assert_allclose(np.asarray(lora_delta(x, a, b, slots)), want, rtol=1e-4, atol=1e-4)
-    assert [num_stack_slots(n, rank) for n, rank in ((16, 16), (2, 8), (3, 5), (1, 64))] == [16, 4, 32, 1]
+    # CPU: slots x rank a multiple of 32, the smallest such
+    assert [stack_shape(n, rank) for n, rank in ((16, 16), (2, 8), (3, 5), (4, 17), (1, 64))] == \
+        [(16, 16), (2, 16), (4, 8), (4, 24), (1, 64)]
 
 
 # -- errors ---------------------------------------------------------------------------------

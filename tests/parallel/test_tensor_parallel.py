@@ -168,9 +168,9 @@ def test_lora_under_tp_gives_the_same_tokens_with_stacks_split_like_their_weight
     for tp in (2, 4):
         case = results[f"lora_tp{tp}"]
         assert case["tokens"] == one["tokens"], tp
-        # layer 0's b [out, S, r] and a [S, r, in]: S = 4 (2 adapters, rounded up: 4 x rank 8 = 32),
+        # layer 0's b [out, S, R] and a [S, R, in]: 2 slots of rank 8 padded to 16 (2 x 16 = 32),
         # 64 q rows / o columns split tp ways
-        assert case["q_b_shards"] == [[64 // tp, 4, 8]] * tp
-        assert case["o_a_shards"] == [[4, 8, 64 // tp]] * tp
+        assert case["q_b_shards"] == [[64 // tp, 2, 16]] * tp
+        assert case["o_a_shards"] == [[2, 16, 64 // tp]] * tp
     assert one["tokens"][0] == one["base"][0]  # no adapter: the base model
     assert one["tokens"][1] != one["base"][1] and one["tokens"][2] != one["base"][2]  # the adapters change them

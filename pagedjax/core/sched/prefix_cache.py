@@ -8,6 +8,12 @@ from pagedjax.core.block_pool import BlockPool, hash_block
 from pagedjax.core.request import Request, RequestStatus
 
 
+def block_key(req: Request, i: int, parent: bytes | None, tokens) -> bytes:
+    """The prefix-cache key of req's full block i (`hash_block`): its first block carries the
+    request's cache salt and LoRA adapter, the later ones inherit them through the chain."""
+    return hash_block(parent, tokens, req.cache_salt, req.lora_key) if i == 0 else hash_block(parent, tokens)
+
+
 class PrefixCache:
     def __init__(self, pool: BlockPool):
         self.pool = pool
@@ -25,7 +31,7 @@ class PrefixCache:
         for i in range((req.num_tokens - 1) // bs):
             tokens = tuple(all_ids[i * bs:(i + 1) * bs])
             h = req.block_hashes[i] if i < len(req.block_hashes) else \
-                hash_block(parent, tokens, req.cache_salt if i == 0 else None)
+                block_key(req, i, parent, tokens)
             block = self.pool.lookup(h, tokens)
             if block is None:
                 return hits, h
@@ -51,7 +57,7 @@ class PrefixCache:
         parent = req.block_hashes[-1] if req.block_hashes else None
         keys = []
         for i in range(len(req.block_hashes), req.num_tokens // bs):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], None if i else req.cache_salt)
+            parent = block_key(req, i, parent, tokens[i * bs:(i + 1) * bs])
             if self.inflight.setdefault(parent, req) is req:  # first computing request owns it
                 keys.append(parent)
         if keys:
@@ -71,7 +77,7 @@ class PrefixCache:
         for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
             tokens = tokens or req.all_token_ids
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash_block(req.block_hashes[-1] if req.block_hashes else None, chunk, None if i else req.cache_salt)
+            h = block_key(req, i, req.block_hashes[-1] if req.block_hashes else None, chunk)
             req.block_hashes.append(h)
             self.pool.cache_block(req.block_ids[i], h, chunk)
             if self.inflight.get(h) is req:  # waiters hit it from now on

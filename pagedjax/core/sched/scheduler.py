@@ -37,6 +37,7 @@ class Scheduler:
         # speculative decoding's SpecDecodeManager (None when off): how many drafts each request verifies
         self.draft_policy = None
         # LoRA's LoRAManager (None when off): admit(req) -> whether req's adapter has a device slot now
+        # (no I/O: the request carries its adapter's host copy)
         self.lora = None
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
