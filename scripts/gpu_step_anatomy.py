@@ -211,8 +211,9 @@ def compile_step(runner, device, t: int):
         mesh, x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()))
     (step_buf, step_layout), (sample_buf, sample_layout) = runner.idle_buffers(t)
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=runner._by_rank)
-    forward = runner._step.lower(*jax.tree.map(on_device, runner._specs), spec(step_buf),
-                                 spec(runner._prev_tokens(None, True)), step_layout).compile()
+    weights, kv, lora = jax.tree.map(on_device, runner._specs)
+    forward = runner._step.lower(weights, kv, spec(step_buf), spec(runner._prev_tokens(None, True)), lora,
+                                 step_layout).compile()
     s = runner.buckets.num_rows(t)
     logits = jax.ShapeDtypeStruct((s, runner.vocab_size), jnp.float32, sharding=runner._rows_by_rank)
     sampler = runner._sample.lower(logits, spec(sample_buf), spec(runner._bitmask_ones(s, host=True)),

@@ -211,14 +211,16 @@ def test_bad_adapters_are_refused_with_the_reason(tiny_checkpoints, tmp_path):
 def test_default_model_with_a_random_adapter_equals_transformers_with_peft(default_model_path, default_tokenizer,
                                                                             tmp_path):
     """SmolLM2-135M-Instruct with a rank-16 adapter on every projection (float32 both sides)."""
-    adapter = make_adapter(default_model_path, tmp_path / "smol", 16, std=0.01, seed=3)
+    adapter = make_adapter(default_model_path, tmp_path / "smol", 16, std=0.02, seed=3)
     prompts = [default_tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     llm = LLM(default_model_path, warmup=False, max_num_seqs=4, max_model_len=128, num_blocks=64, dtype="float32",
               enable_lora=True, max_loras=1, max_lora_rank=16)
     lora = LoRARequest("smol", 1, str(adapter))
-    ours = _tokens(llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True), lora_request=lora,
-                                use_tqdm=False))
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
     oracle = peft_model(default_model_path, adapter)
-    assert ours == [hf_greedy(oracle, p, 16) for p in prompts]
-    base = _tokens(llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False))
-    assert ours != base
+    assert _tokens(outs) == [hf_greedy(oracle, p, 16) for p in prompts]
+    base = llm.generate(prompts, params, use_tqdm=False)
+    # the adapter changes the model (its greedy tokens may still agree with the base model's)
+    first = [[next(iter(o.outputs[0].logprobs[0].values())) for o in run] for run in (outs, base)]
+    assert max(abs(a - b) for a, b in zip(*first)) > 1e-3, first

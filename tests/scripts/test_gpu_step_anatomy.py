@@ -130,8 +130,9 @@ def test_gpu_step_has_no_conditional_and_no_loop_but_the_layers(tiny_checkpoints
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     unsharded = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    weights, kv, lora = jax.tree.map(unsharded, runner._specs)
     forward = export.export(runner._step, platforms=["cuda"], disabled_checks=checks)(
-        *jax.tree.map(unsharded, runner._specs), spec(step_buf), spec(runner._prev_tokens(None, True)), step_layout)
+        weights, kv, spec(step_buf), spec(runner._prev_tokens(None, True)), lora, step_layout)
     copy = export.export(runner._copy_blocks, platforms=["cuda"])(jax.tree.map(unsharded, runner._specs[1]),
                                                                     spec(src), spec(dst))
     s = runner.buckets.num_rows(16)
