@@ -128,6 +128,10 @@ def test_load_and_unload_round_trip(server, paths, offline):
     assert tokens(complete(server, "a2")) == offline["a2"]
     assert unload(server, "a2").status_code == 200
     assert tokens(complete(server, "a1")) == offline["a1"]  # the other adapter is untouched
+    metrics = server.http.get("/metrics").text
+    for name in ("pagedjax:lora_slot_loads_total", "pagedjax:lora_disk_loads_total", "pagedjax:lora_slots_used",
+                 "pagedjax:max_loras"):
+        assert f"\n{name} " in metrics, name
 
 
 def _error(r: httpx.Response, status: int, *words: str) -> dict:

@@ -26,6 +26,8 @@ _COUNTER_STATS = {
     "num_computed_prompt_tokens": "Prompt tokens computed by the engine (prefix-cache hits excluded).",
     "spec_draft_tokens": "Speculative draft tokens proposed and verified.",
     "spec_accepted_tokens": "Speculative draft tokens accepted.",
+    "lora_slot_loads": "LoRA adapters written into a device slot (--enable-lora).",
+    "lora_disk_loads": "LoRA adapters read from disk (--enable-lora).",
 }
 _GAUGE_HELP = {
     "kv_blocks_total": "KV-cache blocks in the pool.",
@@ -39,6 +41,8 @@ _GAUGE_HELP = {
     "oldest_request_age_seconds": "Age of the oldest request in flight (a stuck request shows here).",
     "spec_acceptance_rate": "Accepted / proposed speculative draft tokens.",
     "spec_mean_tokens_per_step": "Tokens a request gets from a step that verifies drafts (1 without speculation).",
+    "lora_slots_used": "Device LoRA slots holding an adapter (of max_loras).",
+    "lora_adapters_known": "LoRA adapters requests may name.",
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
