@@ -190,11 +190,9 @@ def _zeros(shape, dtype, mesh, spec):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))()
 
 
-def slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, layout: TPLayout, max_rank: int,
-                targets=TARGETS) -> dict:
+def slot_arrays(adapter: LoRAAdapter, cfg: ModelConfig, layout: TPLayout, max_rank: int, targets=TARGETS) -> dict:
     """An adapter as one slot of the stacks (numpy float32): target -> (a [L, max_rank, in],
-    b [L, out, max_rank]) for each of `targets`; targets and layers it lacks, and None (an
-    empty slot), are zeros."""
+    b [L, out, max_rank]) for each of `targets`; targets and layers it lacks are zeros."""
     out = {}
     rep = layout.num_kv_heads // cfg.num_kv_heads
     for t, (n_in, n_out) in target_dims(cfg, layout).items():
@@ -203,13 +201,25 @@ def slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, layout: TPLayout,
         a = np.zeros((cfg.num_layers, max_rank, n_in), np.float32)
         b = np.zeros((cfg.num_layers, n_out, max_rank), np.float32)
         for layer in range(cfg.num_layers):
-            if adapter is None or (layer, t) not in adapter.weights:
+            if (layer, t) not in adapter.weights:
                 continue
             la, lb = adapter.weights[(layer, t)]
             if rep > 1 and t in ("k_proj", "v_proj"):  # stored head j is checkpoint head j // rep
                 lb = np.repeat(lb.reshape(cfg.num_kv_heads, cfg.head_dim, -1), rep, axis=0).reshape(n_out, -1)
             a[layer, :la.shape[0]], b[layer, :, :lb.shape[1]] = la, lb
         out[t] = (a, b)
+    return out
+
+
+def slot_shapes(stacks: dict, rank: int) -> dict:
+    """target -> (shape of a, of b) of one slot's arrays for `stacks` (slot_arrays of that rank)."""
+    def layer0(x):  # (L, one layer's shape)
+        return (len(x), x[0].shape) if isinstance(x, tuple) else (x.shape[0], x.shape[1:])
+
+    out = {}
+    for t, (a, b) in stacks.items():
+        (n, (_, _, n_in)), (_, (n_out, _, _)) = layer0(a), layer0(b)  # a [S, R, in], b [out, S, R]
+        out[t] = ((n, rank, n_in), (n, n_out, rank))
     return out
 
 

@@ -40,7 +40,6 @@ class Request:
     num_passed: int = 0  # later requests admitted before it while it did not fit (bounded: no starvation)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     lora_adapter: object = None  # the LoRA adapter it runs with (its host copy, models.lora), None: the base model
-    lora_key: str | None = None  # that adapter's content fingerprint: part of its prefix-cache keys
     lora_slot: int = 0  # the device slot of its adapter while it runs (LoRAManager.admit), 0: none
     draft_token_ids: list[int] = field(default_factory=list)  # speculative guesses of the next tokens
     num_drafted: int = 0  # draft tokens verified so far, and accepted (its acceptance estimate)
@@ -59,6 +58,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token")
+
+    @property
+    def lora_key(self) -> str | None:
+        """Its adapter's content fingerprint (part of its prefix-cache keys), None: no adapter."""
+        return None if self.lora_adapter is None else self.lora_adapter.fingerprint
 
     @property
     def num_prompt_tokens(self) -> int:

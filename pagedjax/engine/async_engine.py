@@ -180,18 +180,6 @@ class AsyncEngine:
 
     # ---- LoRA adapters (each runs on the engine thread) -----------------------------------
 
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Register and read an adapter (ValueError if the engine cannot serve it)."""
-        await self.call(self._with_refresh, self.engine.add_lora, lora_request)
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter; False if the engine did not know it."""
-        return await self.call(self._with_refresh, self.engine.remove_lora, lora_int_id)
-
-    async def list_loras(self) -> list[LoRARequest]:
-        """The adapters the engine knows, by id."""
-        return await self.call(self._engine_loras)
-
     async def load_lora(self, name: str, path: str) -> LoRARequest:
         """Load the adapter at `path` as `name` with the next free id (the largest + 1);
         ValueError if LoRA is off, the name is taken or the adapter cannot serve."""

@@ -140,8 +140,7 @@ class LLMEngine:
             self.masks.add(seq_ids, params)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
         reqs = [Request(rid, list(ids), params, base_seed + i, self.eos_token_ids, cache_salt=cache_salt,
-                        lora_adapter=adapter, lora_key=adapter and adapter.fingerprint)
-                for i, rid in enumerate(seq_ids)]
+                        lora_adapter=adapter) for i, rid in enumerate(seq_ids)]
         reqs[0].pending_forks, reqs[0].reserved_seats = reqs[1:], len(reqs) - 1
         rank = self.router.route(reqs[0])
         self.schedulers[rank].add(reqs[0])

@@ -61,9 +61,6 @@ class LoRAManager:
         self._host.pop(lora_int_id, None)
         return lora
 
-    def by_name(self, name: str) -> LoRARequest | None:
-        return next((lora for lora in self.known.values() if lora.lora_name == name), None)
-
     def _host_copy(self, lora: LoRARequest) -> LoRAAdapter:
         adapter = self._host.get(lora.lora_int_id)
         if adapter is None:
@@ -110,4 +107,3 @@ class LoRAManager:
                 "lora_adapters_known": len(self.known), "lora_adapters_in_host_memory": len(self._host),
                 "lora_slots_used": sum(k is not None for k in self.slot_keys),
                 "lora_slot_loads": self.num_slot_loads, "lora_disk_loads": self.num_disk_loads}
-

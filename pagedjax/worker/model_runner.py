@@ -155,14 +155,8 @@ class ModelRunner(CompiledSteps):
             return
         with self._compile_lock:
             if self._write_lora_executable is None:
-                def one_slot(x, *shape):  # [L, *shape] (models.lora.slot_arrays)
-                    layers = len(x) if isinstance(x, tuple) else x.shape[0]
-                    return jax.ShapeDtypeStruct((layers, *shape), np.float32, sharding=self._replicated)
-
-                r = self._lora_rank  # a [S, R, in], b [out, S, R] per layer
-                arrays = {t: (one_slot(a, r, (a[0] if isinstance(a, tuple) else a[0]).shape[-1]),
-                              one_slot(b, (b[0] if isinstance(b, tuple) else b[0]).shape[0], r))
-                          for t, (a, b) in self.lora_stacks.items()}
+                arrays = {t: tuple(jax.ShapeDtypeStruct(shape, np.float32, sharding=self._replicated) for shape in ab)
+                          for t, ab in lora_lib.slot_shapes(self.lora_stacks, self._lora_rank).items()}
                 slot = jax.ShapeDtypeStruct((), np.int32, sharding=self._replicated)
                 self._write_lora_executable = self._write_lora.lower(self._specs[2], slot, arrays).compile()
 
