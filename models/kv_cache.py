@@ -68,12 +68,16 @@ class PagedKVCache:
     def shape(self, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_layers * self.num_blocks, self.block_size, head_dim)
 
-    def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale):
-        """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D])."""
+    def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale,
+                          sliding_window: int | None = None, soft_cap: float | None = None):
+        """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D]);
+        sliding_window, soft_cap: the layer's own (static; see pallas_kernels.paged_attention)."""
+        opts = _attention_options(sliding_window, soft_cap)
+
         def attend(kv, layer, q, k, v, md):
             k_all, v_all, tables = _write(kv, layer, self.num_blocks, self.block_size, k, v, md)
             out = packed_paged_attention(q, k_all, v_all, tables, md.kv_lens, md.cu_q_lens, scale=scale,
-                                         impl=self.attention_impl)
+                                         impl=self.attention_impl, **opts)
             return (k_all, v_all), out
 
         return per_device(rotated(attend, kv), self.mesh)(kv, layer, q, k, v, md)
@@ -109,15 +113,24 @@ class DenseKVCache:
     def shape(self, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_layers * self.num_slots, self.max_model_len, head_dim)
 
-    def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale):
+    def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale,
+                          sliding_window: int | None = None, soft_cap: float | None = None):
         """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D])."""
+        opts = _attention_options(sliding_window, soft_cap)
+
         def attend(kv, layer, q, k, v, md):
             k_all, v_all, tables = _write(kv, layer, self.num_slots, self.max_model_len, k, v, md)
             out = dense_packed_attention(q, k_all, v_all, tables[:, 0], md.kv_lens, md.cu_q_lens, scale=scale,
-                                         chunk_tokens=self.chunk_tokens)
+                                         chunk_tokens=self.chunk_tokens, **opts)
             return (k_all, v_all), out
 
         return per_device(rotated(attend, kv), self.mesh)(kv, layer, q, k, v, md)
+
+
+def _attention_options(sliding_window, soft_cap) -> dict:
+    """The kernels' keyword options, only those set."""
+    opts = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    return {k: v for k, v in opts.items() if v is not None}
 
 
 def rotated(attend, kv: KVCache):

@@ -1,7 +1,10 @@
-"""Flax NNX definition of the Llama / Mistral / Qwen2 / Qwen3 decoder family.
+"""Flax NNX definition of the decoder families: Llama / Mistral / Qwen2 / Qwen3, Gemma 2 / 3,
+and the mixture-of-experts Mixtral / Qwen3-MoE / Qwen2-MoE (their MLP is models.moe.MoE).
 
 The families differ only in switches read from ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm
-(Qwen3), tied embeddings, GQA ratio and explicit head_dim. Weights keep Hugging Face's
+(Qwen3, Gemma 3), tied embeddings, GQA ratio and explicit head_dim; Gemma's per-layer sliding
+windows, attention and final-logit soft-capping, norms on the attention and MLP outputs,
+query scale, scaled embeddings, GELU MLP and the sliding layers' own RoPE (Gemma 3). Weights keep Hugging Face's
 [out, in] layout; `linear` contracts their last axis (on XLA:CPU about 10% faster than
 [in, out] for decode-sized batches).
 
@@ -24,6 +27,7 @@ from models import dtypes
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, KVCache
 from models.lora import LoRABatch
+from models.moe import MoE
 from models.quantization import QUANTIZED, quantize_weight
 from models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
 from pallas_kernels import cpu_matmul
@@ -116,7 +120,14 @@ def apply_rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]).astype(x.dtype)
 
 
-MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down"})  # stored in the model dtype
+MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down", "experts_gate_up", "experts_down",
+                      "shared_gate_up", "shared_down"})  # stored in the model dtype
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def soft_cap(x, cap):
+    """cap * tanh(x / cap) (Gemma's logit soft-capping); x itself when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def _value(param):
@@ -170,10 +181,12 @@ class _LoRAMatmul:
 
 
 class Attention(_LoRAMatmul, nnx.Module):
-    def __init__(self, cfg: ModelConfig, arrays: dict, place: Placement, layout: TPLayout):
+    def __init__(self, cfg: ModelConfig, arrays: dict, place: Placement, layout: TPLayout, window: int | None):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, layout.num_kv_heads, cfg.head_dim
         self.num_shards = layout.tp
         self.eps = cfg.rms_norm_eps
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.window, self.soft_cap = window, cfg.attn_soft_cap  # static: each layer's own
         # [(H + 2 Hkv) D, E]: q, k, v projections fused, as num_shards groups [q_g | k_g | v_g]
         self.wqkv, self.wqkv_scale = place.matrix(arrays, "wqkv")  # scale [(H + 2 Hkv) D] when quantized
         self.wo, self.wo_scale = place.matrix(arrays, "wo")  # [E, H D]
@@ -203,7 +216,8 @@ class Attention(_LoRAMatmul, nnx.Module):
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv, o = cache.update_and_attend(kv, layer, q, k, v, md, scale=d ** -0.5)  # o [T, H, D]
+        kv, o = cache.update_and_attend(kv, layer, q, k, v, md, scale=self.scale, sliding_window=self.window,
+                                        soft_cap=self.soft_cap)  # o [T, H, D]
         o = o.reshape(t, h * d)
         out = linear(o, self.wo[...], self.native, _value(self.wo_scale), self.compute_dtype)
         if lora is not None:
@@ -214,7 +228,8 @@ class Attention(_LoRAMatmul, nnx.Module):
 
 
 class MLP(_LoRAMatmul, nnx.Module):
-    def __init__(self, arrays: dict, place: Placement, layout: TPLayout):
+    def __init__(self, arrays: dict, place: Placement, layout: TPLayout, act=jax.nn.silu):
+        self.act = act
         # [2 I, E]: gate and up fused, as shards [gate_g | up_g]; scales [2 I], [E] when quantized
         self.w_gate_up, self.w_gate_up_scale = place.matrix(arrays, "w_gate_up")
         self.w_down, self.w_down_scale = place.matrix(arrays, "w_down")  # [E, I]
@@ -230,24 +245,37 @@ class MLP(_LoRAMatmul, nnx.Module):
         if lora is not None:
             gate = lora.add("gate_proj", gate, x, self.lora_matmul)
             up = lora.add("up_proj", up, x, self.lora_matmul)
-        act = jax.nn.silu(gate) * up
+        act = self.act(gate) * up
         out = linear(act, self.w_down[...], self.native, _value(self.w_down_scale), self.compute_dtype)
         return out if lora is None else lora.add("down_proj", out, act, self.lora_matmul)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, arrays: dict, place: Placement, layout: TPLayout):
-        self.eps = cfg.rms_norm_eps
-        self.input_norm = place(arrays, "input_norm")
-        self.post_attention_norm = place(arrays, "post_attention_norm")
-        self.attn = Attention(cfg, arrays, place, layout)
-        self.mlp = MLP(arrays, place, layout)
+    """Layer `index` of the model (under scan: any layer, all alike: ModelConfig.uniform_layers)."""
 
-    def __call__(self, x, cos, sin, kv, layer, md, cache, lora: LoRABatch | None = None):
+    def __init__(self, cfg: ModelConfig, arrays: dict, place: Placement, layout: TPLayout, index: int = 0,
+                 moe_impl: str = "auto"):
+        self.eps = cfg.rms_norm_eps
+        self.local_rope = cfg.window(index) is not None and cfg.local_rope is not None
+        self.input_norm = place(arrays, "input_norm")
+        self.post_attention_norm = place(arrays, "post_attention_norm")  # before the MLP
+        # Gemma: norms on the attention's and the MLP's outputs too
+        self.attn_out_norm = place(arrays, "attn_out_norm") if cfg.sandwich_norms else None
+        self.mlp_out_norm = place(arrays, "mlp_out_norm") if cfg.sandwich_norms else None
+        self.attn = Attention(cfg, arrays, place, layout, cfg.window(index))
+        act = ACTIVATIONS[cfg.hidden_act]
+        self.mlp = MoE(cfg, arrays, place, layout, act, moe_impl) if cfg.is_moe(index) else MLP(arrays, place, layout, act)
+
+    def __call__(self, x, rope, kv, layer, md, cache, lora: LoRABatch | None = None):
+        """rope: {"global": (cos, sin), "local": ...} (models.llama.rope_table_once)."""
+        cos, sin = rope["local" if self.local_rope else "global"]
         kv, h = self.attn(rms_norm(x, self.input_norm[...], self.eps), cos, sin, kv, layer, md, cache, lora)
-        x = x + h
-        x = x + self.mlp(rms_norm(x, self.post_attention_norm[...], self.eps), lora)
-        return kv, x
+        x = x + self._norm(h, self.attn_out_norm)
+        h = self.mlp(rms_norm(x, self.post_attention_norm[...], self.eps), lora)
+        return kv, x + self._norm(h, self.mlp_out_norm)
+
+    def _norm(self, h, weight):
+        return h if weight is None else rms_norm(h, weight[...], self.eps)
 
 
 class CausalLM(nnx.Module):
@@ -261,38 +289,47 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, scan_layers: bool = False,
-                 mesh=None, quantization: str | None = None):
+                 mesh=None, quantization: str | None = None, expert_parallel: bool = False, moe_impl: str = "auto"):
         self.config = cfg
-        self.scan_layers = scan_layers
+        self.scan_layers = scan_layers and cfg.uniform_layers  # Gemma's local/global layers: unrolled
         self.dtype = jnp.dtype(dtype)  # of the matrices (quantized: of their dots); activations are float32
         self.quantization = quantization  # None, "int8" or "fp8" (models.quantization)
-        layout = tp_layout(cfg, 1 if mesh is None else mesh.shape["model"])
+        layout = tp_layout(cfg, 1 if mesh is None else mesh.shape["model"], expert_parallel)
         self.num_kv_heads = layout.num_kv_heads  # stored (replicated up to tp when tp > the model's)
         self.tp_layout = layout
         place = Placement(dtype, mesh, layout, quantization=quantization)
         self.native_head = place.native_head
         self.embed = place(arrays, "embed")  # [V, E], never quantized (models.quantization.QUANTIZED)
         layers = [regroup_layer(layer, cfg, layout) for layer in arrays["layers"]]
-        if scan_layers:
+        if self.scan_layers:
             stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
             # every parameter [L, ...]
             self.layers = DecoderLayer(cfg, stacked, Placement(dtype, mesh, layout, stacked=True,
-                                                               quantization=quantization), layout)
+                                                               quantization=quantization), layout, 0, moe_impl)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, layer, place, layout) for layer in layers])
+            self.layers = nnx.List([DecoderLayer(cfg, layer, place, layout, i, moe_impl)
+                                    for i, layer in enumerate(layers)])
         self.norm = place(arrays, "norm")
         self.lm_head = None if cfg.tie_word_embeddings else place(arrays, "lm_head")  # [V, E]
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
+        self.local_inv_freq = None if cfg.local_rope is None else nnx.Variable(
+            jnp.asarray(cfg.inv_freq(local=True), jnp.float32))
+        # Gemma: embeddings times sqrt(E), that factor rounded to the matrices' dtype as transformers does
+        self.embed_scale = None if cfg.embed_scale is None else float(np.asarray(cfg.embed_scale, self.dtype))
 
     def __call__(self, tokens, md: AttentionMetadata, kv: KVCache, cache, lora: LoRABatch | None = None):
         """tokens [T] (a packed step) -> (hidden [T, E] after the final norm, new kv).
         lora: the step's LoRA adapters (models.lora; None: the base model alone)."""
         x = self.embed[...][tokens].astype(jnp.float32)  # [T, E]
-        cos, sin = rope_table_once(md.positions, self.inv_freq[...])  # [T, D] each
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {"global": rope_table_once(md.positions, self.inv_freq[...])}  # cos, sin [T, D] each
+        if self.local_inv_freq is not None:
+            rope["local"] = rope_table_once(md.positions, self.local_inv_freq[...])
         kv = tuple(kv)
         if not self.scan_layers:
             for i, layer in enumerate(self.layers):
-                kv, x = layer(x, cos, sin, kv, i, md, cache, None if lora is None else lora.layer(i))
+                kv, x = layer(x, rope, kv, i, md, cache, None if lora is None else lora.layer(i))
             return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv
         graphdef, stacked = nnx.split(self.layers)
 
@@ -300,7 +337,7 @@ class CausalLM(nnx.Module):
             x, kv = carry
             layer_state, i, stacks = xs
             layer_lora = None if lora is None else LoRABatch(lora.slots, stacks)
-            kv, x = nnx.merge(graphdef, layer_state)(x, cos, sin, kv, i, md, cache, layer_lora)
+            kv, x = nnx.merge(graphdef, layer_state)(x, rope, kv, i, md, cache, layer_lora)
             return (x, kv), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
@@ -312,4 +349,5 @@ class CausalLM(nnx.Module):
         """hidden [..., E] -> float32 logits [..., V]."""
         head = self.embed[...] if self.lm_head is None else self.lm_head[...]
         # the native kernel for decode-sized heads only (scripts/bench_matmul.py)
-        return linear(hidden, head, self.native_head and hidden.shape[0] <= cpu_matmul.head_max_rows(head.dtype))
+        logits = linear(hidden, head, self.native_head and hidden.shape[0] <= cpu_matmul.head_max_rows(head.dtype))
+        return soft_cap(logits, self.config.final_soft_cap)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from models import compressed_tensors
-from models.config import ModelConfig, load_config
+from models.config import GEMMA, ModelConfig, load_config
 from models.dtypes import resolve_dtype, resolve_kv_cache_dtype  # noqa: F401  (re-exported)
 from models.llama import CausalLM
 from models.quantization import check_quantization
@@ -31,6 +31,16 @@ _LAYER_NAMES = {  # our name -> HF suffix under model.layers.{i}.
     "post_attention_norm": "post_attention_layernorm.weight",
 }
 _OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm"}
+_GEMMA_NORMS = {  # Gemma's sandwich norms (ours -> HF), replacing post_attention_norm's source
+    "attn_out_norm": "post_attention_layernorm.weight",
+    "post_attention_norm": "pre_feedforward_layernorm.weight",  # the pre-MLP norm, as in Llama
+    "mlp_out_norm": "post_feedforward_layernorm.weight",
+}
+_MOE = {  # family -> (the block's HF prefix, router, expert gate / up / down)
+    "mixtral": ("block_sparse_moe", "gate.weight", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", "gate.weight", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp", "gate.weight", ("gate_proj", "up_proj", "down_proj")),
+}
 
 
 def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
@@ -40,22 +50,48 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
             raise KeyError(f"checkpoint is missing tensor {name!r}")
         return tensors[name]
 
+    names = dict(_LAYER_NAMES, **(_GEMMA_NORMS if cfg.sandwich_norms else {}))
     layers = []
     for i in range(cfg.num_layers):
         layer = {}
-        for ours, suffix in _LAYER_NAMES.items():
+        for ours, suffix in names.items():
             name = f"model.layers.{i}.{suffix}"
             if ours in _OPTIONAL:
                 wanted = (ours in ("bq", "bk", "bv") and cfg.attention_bias) or (ours == "bo" and cfg.o_bias) \
                     or (ours in ("q_norm", "k_norm") and cfg.qk_norm)
                 if not wanted:
                     continue
+            if ours in ("w_gate", "w_up", "w_down") and cfg.is_moe(i):
+                continue
             layer[ours] = take(name)
+        if cfg.is_moe(i):
+            layer.update(_experts(cfg, i, take))
         layers.append(_fuse(layer))
     arrays = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight"), "layers": layers}
     if not cfg.tie_word_embeddings:
         arrays["lm_head"] = take("lm_head.weight")
+    if cfg.family in GEMMA:  # Gemma's RMSNorm scales by 1 + weight: stored here as that sum
+        arrays["norm"] = arrays["norm"] + 1.0
+        for layer in layers:
+            for name in [n for n in layer if n.endswith("norm")]:
+                layer[name] = layer[name] + 1.0
     return arrays
+
+
+def _experts(cfg: ModelConfig, i: int, take) -> dict:
+    """Layer i's router and experts stacked: experts_gate_up [X, 2 I, E] (each expert's gate
+    then up rows), experts_down [X, E, I]; Qwen2-MoE's shared expert beside them."""
+    block, router, (gate, up, down) = _MOE[cfg.family]
+    prefix = f"model.layers.{i}.{block}"
+    expert = lambda e, w: take(f"{prefix}.experts.{e}.{w}.weight")
+    out = {"router": take(f"{prefix}.{router}"),
+           "experts_gate_up": np.stack([np.concatenate([expert(e, gate), expert(e, up)]) for e in range(cfg.num_experts)]),
+           "experts_down": np.stack([expert(e, down) for e in range(cfg.num_experts)])}
+    if cfg.shared_expert_intermediate_size:
+        shared = lambda w: take(f"{prefix}.shared_expert.{w}.weight")
+        out.update(shared_gate_up=np.concatenate([shared("gate_proj"), shared("up_proj")]),
+                   shared_down=shared("down_proj"), shared_gate=take(f"{prefix}.shared_expert_gate.weight"))
+    return out
 
 
 def _fuse(layer: dict) -> dict:
@@ -63,7 +99,8 @@ def _fuse(layer: dict) -> dict:
     layer["wqkv"] = np.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=0)
     if "bq" in layer:
         layer["bqkv"] = np.concatenate([layer.pop("bq"), layer.pop("bk"), layer.pop("bv")])
-    layer["w_gate_up"] = np.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=0)
+    if "w_gate" in layer:
+        layer["w_gate_up"] = np.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=0)
     return layer
 
 
@@ -103,19 +140,19 @@ def default_scan_layers() -> bool:
 
 
 def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers: bool | None = None, mesh=None,
-               quantization: str | None = None):
+               quantization: str | None = None, expert_parallel: bool = False, moe_impl: str = "auto"):
     """Returns (CausalLM, ModelConfig, tokenizer) for a local HF dir, or the default model.
     scan_layers: None picks `default_scan_layers()`. mesh: a ("data", "model") Mesh to split
     the weights over "model" (models.sharding); each device receives only its shards.
     quantization: None, "int8" or "fp8": the matrices quantized as they load (models.quantization);
-    None on a compressed-tensors checkpoint: its own scheme (models.compressed_tensors)."""
+    None on a compressed-tensors checkpoint: its own scheme (models.compressed_tensors).
+    expert_parallel, moe_impl: a mixture-of-experts model's layout and expert matmuls (models.moe)."""
     from models.weights import load_tensors_from_dir
 
     check_quantization(quantization)
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
-    if mesh is not None:
-        check_tp(cfg, mesh.shape[MODEL_AXIS])  # before reading any weights
+    check_tp(cfg, 1 if mesh is None else mesh.shape[MODEL_AXIS], expert_parallel)  # before reading any weights
     tensors = load_tensors_from_dir(model_dir)
     stored = compressed_tensors.scheme(json.loads((model_dir / "config.json").read_text()))
     if stored is not None:  # a pre-quantized checkpoint: served in its own 8-bit scheme unless told otherwise
@@ -123,5 +160,6 @@ def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers
         quantization = quantization or stored
     arrays = convert_hf_tensors(cfg, tensors)
     scan = default_scan_layers() if scan_layers is None else scan_layers
-    model = CausalLM(cfg, arrays, resolve_dtype(dtype, cfg), scan_layers=scan, mesh=mesh, quantization=quantization)
+    model = CausalLM(cfg, arrays, resolve_dtype(dtype, cfg), scan_layers=scan, mesh=mesh, quantization=quantization,
+                     expert_parallel=expert_parallel, moe_impl=moe_impl)
     return model, cfg, load_tokenizer(model_dir)

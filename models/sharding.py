@@ -31,31 +31,40 @@ class TPLayout:
     num_kv_heads: int  # KV heads stored: the checkpoint's, or tp when they are replicated
     head_dim: int
     split_vocab: bool  # embedding / lm_head split on the vocabulary (vocab divisible by tp)
+    expert_parallel: bool = False  # MoE: whole experts split over "model" (else each expert's matrices)
 
 
-def check_tp(cfg, tp: int) -> None:
+def check_tp(cfg, tp: int, expert_parallel: bool = False) -> None:
     """Raises ValueError, saying what would work, when `cfg` cannot be split `tp` ways."""
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if expert_parallel and not cfg.num_experts:
+        raise ValueError("expert_parallel needs a mixture-of-experts model; this one has no experts")
     if tp == 1:
         return
-    ok = [d for d in range(1, cfg.num_heads + 1) if _splits(cfg, d)]
-    if not _splits(cfg, tp):
+    ok = [d for d in range(1, cfg.num_heads + 1) if _splits(cfg, d, expert_parallel)]
+    if not _splits(cfg, tp, expert_parallel):
+        experts = f", {cfg.num_experts} experts of size {cfg.moe_intermediate_size}" if cfg.num_experts else ""
         raise ValueError(f"tensor_parallel_size={tp} does not split this model ({cfg.num_heads} query heads, "
-                         f"{cfg.num_kv_heads} KV heads, intermediate size {cfg.intermediate_size}); "
-                         f"sizes that work: {ok}")
+                         f"{cfg.num_kv_heads} KV heads, intermediate size {cfg.intermediate_size}{experts}"
+                         f"{', expert parallel' if expert_parallel else ''}); sizes that work: {ok}")
 
 
-def _splits(cfg, tp: int) -> bool:
+def _splits(cfg, tp: int, expert_parallel: bool = False) -> bool:
     heads_ok = cfg.num_heads % tp == 0
     kv_ok = cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0
-    return heads_ok and kv_ok and cfg.intermediate_size % tp == 0
+    has_dense = not cfg.moe_layers or not all(cfg.moe_layers)  # layers with a dense MLP
+    dense_ok = not has_dense or cfg.intermediate_size % tp == 0
+    experts_ok = not cfg.num_experts or (cfg.num_experts % tp == 0 if expert_parallel
+                                         else cfg.moe_intermediate_size % tp == 0)
+    shared_ok = cfg.shared_expert_intermediate_size % tp == 0
+    return heads_ok and kv_ok and dense_ok and experts_ok and shared_ok
 
 
-def tp_layout(cfg, tp: int) -> TPLayout:
-    check_tp(cfg, tp)
+def tp_layout(cfg, tp: int, expert_parallel: bool = False) -> TPLayout:
+    check_tp(cfg, tp, expert_parallel)
     kv = cfg.num_kv_heads if cfg.num_kv_heads % tp == 0 else tp  # replicated up to one per shard
-    return TPLayout(tp, cfg.num_heads, kv, cfg.head_dim, cfg.vocab_size % tp == 0)
+    return TPLayout(tp, cfg.num_heads, kv, cfg.head_dim, cfg.vocab_size % tp == 0, expert_parallel)
 
 
 def regroup_layer(layer: dict, cfg, layout: TPLayout) -> dict:
@@ -66,11 +75,17 @@ def regroup_layer(layer: dict, cfg, layout: TPLayout) -> dict:
     out["wqkv"] = _regroup_qkv(layer["wqkv"], cfg, layout)
     if "bqkv" in layer:
         out["bqkv"] = _regroup_qkv(layer["bqkv"], cfg, layout)
-    gate, up = np.split(layer["w_gate_up"], 2, axis=0)  # [I, E] each
-    tp = layout.tp
-    out["w_gate_up"] = np.concatenate([np.concatenate(pair, axis=0) for pair in
-                                       zip(np.split(gate, tp), np.split(up, tp))], axis=0)
+    for name, axis in (("w_gate_up", 0), ("shared_gate_up", 0), ("experts_gate_up", 1)):
+        if name in layer and not (name == "experts_gate_up" and layout.expert_parallel):
+            out[name] = _regroup_gate_up(layer[name], layout.tp, axis)
     return out
+
+
+def _regroup_gate_up(w: np.ndarray, tp: int, axis: int) -> np.ndarray:
+    """[.., 2 I, ..] (gate | up on `axis`) -> tp groups [gate_g | up_g]."""
+    gate, up = np.split(w, 2, axis=axis)
+    return np.concatenate([np.concatenate(pair, axis=axis) for pair in
+                           zip(np.split(gate, tp, axis=axis), np.split(up, tp, axis=axis))], axis=axis)
 
 
 def _regroup_qkv(w: np.ndarray, cfg, layout: TPLayout) -> np.ndarray:
@@ -85,9 +100,10 @@ def _regroup_qkv(w: np.ndarray, cfg, layout: TPLayout) -> np.ndarray:
     return np.concatenate([np.concatenate(g, axis=0) for g in groups], axis=0)
 
 
-_COLUMN = {"wqkv", "bqkv", "w_gate_up"}  # output rows split
-_ROW = {"wo", "w_down"}  # input columns split
+_COLUMN = {"wqkv", "bqkv", "w_gate_up", "shared_gate_up"}  # output rows split
+_ROW = {"wo", "w_down", "shared_down"}  # input columns split
 _VOCAB = {"embed", "lm_head"}
+_EXPERTS = {"experts_gate_up": 1, "experts_down": 2}  # [X, out, in]: the axis tensor parallelism splits
 
 
 def param_spec(name: str, ndim: int, stacked: bool, layout: TPLayout) -> P:
@@ -96,6 +112,9 @@ def param_spec(name: str, ndim: int, stacked: bool, layout: TPLayout) -> P:
     rest = ndim - len(lead)
     if layout.tp == 1:
         return P()
+    if name in _EXPERTS:  # expert parallel: whole experts split, else each expert's matrices
+        axis = 0 if layout.expert_parallel else _EXPERTS[name]
+        return P(*lead, *[MODEL_AXIS if i == axis else None for i in range(rest)])
     if name in _COLUMN:
         return P(*lead, MODEL_AXIS, *([None] * (rest - 1)))
     if name in _ROW:

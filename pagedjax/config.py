@@ -87,11 +87,22 @@ class EngineConfig:
                                        int, flags=("-tp",))
     data_parallel_size: int = option(1, "ranks with their own block pool and rows (the mesh's data axis); "
                                      "num_blocks and max_num_seqs are per rank", int, flags=("-dp",))
+    expert_parallel: bool = option(False, "mixture-of-experts models: whole experts split over the "
+                                   "tensor_parallel_size devices (expert parallelism) instead of each expert's "
+                                   "matrices", bool, flags=("-ep",))
+    moe_impl: str = option("auto", "expert matmuls of a mixture-of-experts model: sorted (a loop over the chosen "
+                           "experts' rows), ragged (jax.lax.ragged_dot), dense (every expert on every token); "
+                           "auto: sorted on CPU, ragged on accelerators (models/moe.py)", str,
+                           choices=("auto", "sorted", "ragged", "dense"))
     speculative_config: dict | SpeculativeConfig | None = option(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
         '(prompt lookup) or \'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\' (a draft model with the same '
         'vocabulary; it drafts fewer or none while they do not pay, "adaptive": false keeps k)',
         _json_object, metavar="JSON")
+    pooling_type: str | None = option(None, "embeddings (LLM.embed, /v1/embeddings): last (the last prompt token's "
+                                      "final hidden state) or mean (over the prompt's tokens); default: the "
+                                      "checkpoint's sentence-transformers pooling config, else last", str,
+                                      choices=("last", "mean"))
     async_scheduling: bool = option(True, "schedule and dispatch step t + 1 before reading step t's tokens (the host "
                                     "prepares the next step while the device runs this one)", bool)
 
@@ -123,14 +134,14 @@ class EngineConfig:
         if unknown or not self.lora_target_modules:
             raise ValueError(f"lora_target_modules must name some of {', '.join(LORA_TARGETS)}, got "
                              f"{self.lora_target_modules!r}")
+        if self.pooling_type not in (None, "last", "mean"):
+            raise ValueError(f"pooling_type must be 'last', 'mean' or None (auto), got {self.pooling_type!r}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
     def resolve(self, model_cfg) -> None:
         """Fills the defaults that depend on the model."""
         limit = model_cfg.max_position_embeddings
-        if model_cfg.sliding_window:
-            limit = min(limit, model_cfg.sliding_window)  # no sliding-window attention: stay inside it
         if self.max_model_len is None:
             self.max_model_len = limit
         elif self.max_model_len > limit:

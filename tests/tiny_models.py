@@ -21,14 +21,42 @@ FAMILIES = {
 }
 
 
+WINDOW = 16  # the sliding window of the tiny Gemma / Mixtral models: test prompts run past it
+
+# families beyond the Llama family (their own tests: tests/models/test_families.py)
+MORE_FAMILIES = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=10.0, pad_token_id=0, tie_word_embeddings=False)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                         sliding_window=WINDOW, query_pre_attn_scalar=16, pad_token_id=0, tie_word_embeddings=False,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                     sliding_window=WINDOW, tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                       mlp_only_layers=[1], tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                       tie_word_embeddings=False)),
+}
+
+
 def make_checkpoint(family: str, path: Path, seed: int = 0):
     """Saves a random tiny checkpoint of `family` into `path`; returns the torch model."""
     import torch
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = FAMILIES.get(family) or MORE_FAMILIES[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, config_cls)(**COMMON, **extra)
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # biases default to zero: make them matter
         for name, p in model.named_parameters():

@@ -3,7 +3,8 @@
 The engine wires the parts together and runs `step()`; each optional feature is one object,
 None (or idle) when unused, called from one place: `spec` (SpecDecodeManager), `beams`
 (BeamSearchManager), `masks` (StructuredOutputManager: grammars and other token masks),
-`output` (OutputProcessor: stops, logprobs, text, the one writer of output tokens).
+`output` (OutputProcessor: stops, logprobs, text, the one writer of output tokens), `pooler`
+(Pooler: embedding requests, made at the first one).
 Penalties and prompt logprobs live in the runner's compiled step and sampler.
 
 Not thread-safe: one thread owns an engine (the server runs it in a background thread).
@@ -31,6 +32,8 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.data_parallel import DataParallelRouter
 from pagedjax.parallel.distributed import is_multiprocess
 from pagedjax.parallel.mesh import bytes_per_device, make_mesh
+from pagedjax.pooling.params import PoolingParams, resolve_pooling_type
+from pagedjax.pooling.pooler import Pooler
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.spec_decode.manager import make_spec_decode
 from pagedjax.structured_output.manager import StructuredOutputManager
@@ -57,7 +60,7 @@ class LLMEngine:
         self.config = cfg = EngineConfig(model=model, **engine_kwargs)
         self.mesh = make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
         self.model, self.model_config, self.tokenizer = load_model(model, cfg.dtype, cfg.scan_layers, self.mesh,
-                                                                   cfg.quantization)
+                                                                   cfg.quantization, cfg.expert_parallel, cfg.moe_impl)
         cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len
         self.model_name = engine_stats.model_name(model)
@@ -107,6 +110,7 @@ class LLMEngine:
                                              self.model_name)
         self.output = OutputProcessor(self.tokenizer, self.schedulers, self.masks, stream_text)
         self.beams: BeamSearchManager | None = None  # made at the first beam search
+        self.pooler: Pooler | None = None  # made at the first embedding request
         self._seed_rng = np.random.default_rng(cfg.seed)
         self.num_steps = 0
         self.num_computed_prompt_tokens = 0
@@ -176,20 +180,42 @@ class LLMEngine:
         group = BeamGroup(request_id, ids, params, self.eos_token_ids)
         self.beams.add(group, self.router.route(group.root))
 
+    def add_embed_request(self, request_id: str, prompt: str | list[int], params: PoolingParams | None = None) -> None:
+        """Queues an embedding request: its prompt is prefilled (chunked like any other, through
+        the same scheduler), pooled and finished at once, its blocks freed; its one output is an
+        EmbeddingRequestOutput. ValueError with the reason if it can never run."""
+        params = params or PoolingParams()
+        self._check_new_id(request_id)
+        text, ids = self.inputs.tokenize(prompt)
+        if self.pooler is None:
+            self.pooler = Pooler(resolve_pooling_type(self.config.pooling_type, self.config.model),
+                                 self.model_config.hidden_size, self.buckets.token_buckets(), self.buckets.num_seqs,
+                                 self.config.data_parallel_size, self.runner.hidden_specs)
+        req = self.pooler.make_request(request_id, text, ids, params)
+        rank = self.router.route(req)
+        try:
+            self.schedulers[rank].add(req)
+        except ValueError:
+            self.pooler.pop(request_id)
+            raise
+        req.dp_rank = rank
+
     @property
     def finished_beam_searches(self) -> dict:
         """request id -> BeamSearchOutput of each beam search done and not yet popped."""
         return self.beams.finished if self.beams is not None else {}
 
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.output.groups or (self.beams is not None and request_id in self.beams.groups):
+        if request_id in self.output.groups or (self.beams is not None and request_id in self.beams.groups) \
+                or (self.pooler is not None and request_id in self.pooler.requests):
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request at once and returns its blocks; unknown ids are ignored."""
         if self.beams is not None:
             self.beams.abort(request_id)
-        for req in self.output.pop(request_id):
+        pooled = self.pooler.pop(request_id) if self.pooler is not None else []
+        for req in self.output.pop(request_id) + pooled:
             self.schedulers[req.dp_rank].finish(req, "abort")
             self._release(req)
         self._warmup_if_idle()
@@ -260,13 +286,14 @@ class LLMEngine:
             self.output.collect_prompt_logprobs(outs, result.prompt)
         if self.beams is not None and self.beams.groups:
             self.beams.process(produced, result)
+        embedded = self.pooler.process(outs, result.pooled, produced) if self.pooler is not None else []
         outputs, finished = self.output.process(produced, result)
         for req in finished:
             self._release(req)
         self._warmup_if_idle()
         for observe in self.step_observers:
             observe(StepRecord(outs, produced, ahead))
-        return outputs
+        return embedded + outputs if embedded else outputs
 
     def _schedule(self, hold: frozenset = frozenset()) -> list | None:
         """One SchedulerOutput per data rank for the next step (None: nothing to run)."""
@@ -291,7 +318,8 @@ class LLMEngine:
     def _dispatch(self, outs, prev=None):
         if self.lora is not None:  # adapters admitted into new slots: written before the step reads them
             self.lora.flush(self.runner.load_lora_slot)
-        return self.runner.dispatch(outs, lambda bitmask, rows: self.masks.fill(outs, bitmask, rows), prev)
+        pool = self.pooler.hook(outs) if self.pooler is not None else None  # embeddings in this step
+        return self.runner.dispatch(outs, lambda bitmask, rows: self.masks.fill(outs, bitmask, rows), prev, pool)
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens are read: no

@@ -56,7 +56,7 @@ def load_draft_model(path: str, *, dtype: str, kv_cache_dtype: str, vocab_size: 
     if cfg.vocab_size != vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) differs "
                          f"from the target's ({vocab_size}); a draft model must share the target's tokenizer")
-    limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    limit = cfg.max_position_embeddings
     if max_model_len > limit:
         raise ValueError(f"speculative_config: the draft model supports {limit} positions, fewer than "
                          f"max_model_len={max_model_len}; lower max_model_len or pick another draft")
