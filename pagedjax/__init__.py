@@ -1,7 +1,8 @@
 """pagedjax: a JAX/Pallas LLM inference engine with a paged KV cache."""
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.lora.request import LoRARequest
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedjax.pooling.params import PoolingParams
 from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -22,4 +23,5 @@ def __getattr__(name):  # import the engine (and JAX) only when asked for
 
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
-           "BeamSearchOutput", "StructuredOutputsParams", "LoRARequest"]
+           "BeamSearchOutput", "StructuredOutputsParams", "LoRARequest", "PoolingParams", "EmbeddingOutput",
+           "EmbeddingRequestOutput"]

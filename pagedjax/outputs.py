@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -31,3 +32,27 @@ class RequestOutput:
     # {token_id: logprob} holding the prompt's own token and the top k (on the final output,
     # or the first output that carries it with output_deltas)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding: float32 [D] (D: the hidden size, or the requested dimensions),
+    L2-normalized unless the request turned that off."""
+
+    embedding: Any  # numpy float32 [D]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """The result of one embedding request (`LLM.embed`, `/v1/embeddings`): always finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last-token pooling only)
+
+    @property
+    def embedding(self):
+        return self.outputs.embedding

@@ -18,13 +18,14 @@ MAY_IMPORT = {
     "pagedjax.parallel": ["pagedjax.core", "models"],
     "pagedjax.spec_decode": ["pagedjax.core", "pagedjax.sample", "models"],
     "pagedjax.lora": ["pagedjax.core", "models"],
+    "pagedjax.pooling": ["pagedjax.core"],
     "pagedjax.worker": ["pagedjax.core", "pagedjax.sample", "pagedjax.parallel", "models"],
     "pagedjax.config": ["models", "pagedjax.spec_decode"],
     "pagedjax.engine": ["pagedjax.config", "pagedjax.worker", "pagedjax.spec_decode", "pagedjax.structured_output",
-                        "pagedjax.lora"],
+                        "pagedjax.lora", "pagedjax.pooling"],
     "pagedjax.compare": ["pagedjax.engine"],
     "pagedjax.entrypoints": ["pagedjax.engine", "pagedjax.compare"],
-    "pagedjax.__init__": ["pagedjax.entrypoints", "pagedjax.lora"],
+    "pagedjax.__init__": ["pagedjax.entrypoints", "pagedjax.lora", "pagedjax.pooling"],
 }
 
 

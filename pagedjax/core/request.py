@@ -41,6 +41,9 @@ class Request:
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     lora_adapter: object = None  # the LoRA adapter it runs with (its host copy, models.lora), None: the base model
     lora_slot: int = 0  # the device slot of its adapter while it runs (LoRAManager.admit), 0: none
+    # an embedding request's PoolingParams (pagedjax.pooling; its pooling_type resolved): the
+    # prompt is prefilled and pooled, nothing is generated; None: a generation request
+    pooling: object = None
     draft_token_ids: list[int] = field(default_factory=list)  # speculative guesses of the next tokens
     num_drafted: int = 0  # draft tokens verified so far, and accepted (its acceptance estimate)
     num_accepted_drafts: int = 0
@@ -63,6 +66,19 @@ class Request:
     def lora_key(self) -> str | None:
         """Its adapter's content fingerprint (part of its prefix-cache keys), None: no adapter."""
         return None if self.lora_adapter is None else self.lora_adapter.fingerprint
+
+    @property
+    def prefill_only(self) -> bool:
+        """Nothing to generate: a scored prompt (max_tokens=0) or an embedding; it finishes
+        once its prompt is computed."""
+        return self.params.max_tokens == 0 or self.pooling is not None
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Every prompt position must be computed (no prefix-cache hits): prompt logprobs,
+        or mean pooling over the prompt's hidden states."""
+        return self.params.prompt_logprobs is not None or (self.pooling is not None
+                                                            and self.pooling.pooling_type == "mean")
 
     @property
     def num_prompt_tokens(self) -> int:

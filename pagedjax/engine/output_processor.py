@@ -130,7 +130,7 @@ class OutputProcessor:
         touched: dict[str, _Group] = {}
         now = time.monotonic()
         for req, row, tokens in produced:
-            if req.beam_group is not None:
+            if req.beam_group is not None or req.pooling is not None:  # beams, embeddings: their own managers
                 continue
             touched[req.request_id] = self._group_of[req.request_id]
             if tokens is None:  # max_tokens=0: the prompt is scored, nothing generated

@@ -10,7 +10,8 @@ from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.lora.request import LoRARequest
-from pagedjax.outputs import RequestOutput
+from pagedjax.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedjax.pooling.params import PoolingParams
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -67,11 +68,44 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def embed(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True, *,
+              normalize: bool = True, dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Embeds every prompt (prefill only, through the same scheduler as generation);
+        returns EmbeddingRequestOutputs in prompt order, each with `.outputs.embedding` (numpy
+        float32 [D], also `.embedding`) and `.prompt_token_ids`. Pooling is the engine's
+        `pooling_type` (last token or mean over the prompt). normalize: L2-normalize (default);
+        dimensions: keep the first D values (then normalize). pooling_params: instead of
+        normalize/dimensions, one PoolingParams for every prompt or one per prompt."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None:
+            params = [PoolingParams(normalize=normalize, dimensions=dimensions)] * len(prompts)
+        elif not normalize or dimensions is not None:
+            raise ValueError("give either pooling_params or normalize/dimensions, not both")
+        elif isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts; pass one, "
+                                 f"or exactly one per prompt")
+        ids = [f"embd-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_embed_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm, "embedding")
+
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generating") -> list:
         from tqdm import tqdm
 
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        done: dict = {}
+        bar = tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

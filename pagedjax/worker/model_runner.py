@@ -47,6 +47,7 @@ class PendingStep:
     prompt: object  # PromptLogprobs on the device, or None when no position asked
     began: float  # time.perf_counter() at dispatch
     first_run: bool = False  # the bucket's first run: it compiled or loaded, its time is not a step's cost
+    pooled: object = None  # the pooling hook's result on the device (embeddings), None: the step pools nothing
 
 
 class ModelRunner(CompiledSteps):
@@ -58,6 +59,7 @@ class ModelRunner(CompiledSteps):
         (models.lora) the step takes; None: no LoRA."""
         cfg = model.config
         self.num_layers = cfg.num_layers
+        self.hidden_size = cfg.hidden_size
         self.buckets = buckets
         self.cache = cache
         self.block_size = cache.block_size
@@ -232,6 +234,14 @@ class ModelRunner(CompiledSteps):
                                                             req.params.logit_bias)
         return slot
 
+    def hidden_specs(self, t: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """What an executable reading a step's hidden states compiles for (pooling): the
+        hidden output of the step of T = t, [dp * T, E] float32 after the final norm (each data
+        rank its rows), and a per-token int32 input [dp * T] split like the step's tokens."""
+        hidden = self._hidden_specs.get(t) or jax.ShapeDtypeStruct((self.dp * t, self.hidden_size), jnp.float32,
+                                                                   sharding=self._rows_by_rank)
+        return hidden, jax.ShapeDtypeStruct((self.dp * t,), jnp.int32, sharding=self._by_rank)
+
     def release_penalty_slot(self, req) -> None:
         """Gives back a finished request's penalty slot (if it holds one)."""
         self.penalty_slots[req.dp_rank].release(req)
@@ -245,14 +255,17 @@ class ModelRunner(CompiledSteps):
         """Runs one step and waits for its result: `fetch(dispatch(outs, fill_masks))`."""
         return self.fetch(self.dispatch(outs, fill_masks))
 
-    def dispatch(self, outs: list[SchedulerOutput | None], fill_masks=None, prev: PendingStep | None = None
-                 ) -> PendingStep:
+    def dispatch(self, outs: list[SchedulerOutput | None], fill_masks=None, prev: PendingStep | None = None,
+                 pool=None) -> PendingStep:
         """Starts one step (one SchedulerOutput per data rank) on the device and returns at
         once. prev: the step dispatched just before, whose sampled tokens this one reads where
         a request's `pending_row` says so (they never travel through the host).
 
         fill_masks(bitmask [dp * S, W] int32 all ones, S): writes the token masks of the
-        constrained rows; called while the device runs the forward pass."""
+        constrained rows; called while the device runs the forward pass.
+
+        pool(hidden [dp * T, E], T) -> a device array read back by `fetch` as `.pooled`: what
+        the step's hidden states give embedding requests (pooling.Pooler.hook), None: nothing."""
         began = time.perf_counter()
         t, inputs, sampling, copies = self.prepare(outs)
         first_run = t not in self._primed
@@ -266,6 +279,7 @@ class ModelRunner(CompiledSteps):
                 self.kv = self._copy_executable(self.kv, *copies)
             self.kv, logits, hidden = step(self._weights, self.kv, step_buf, self._prev_tokens(prev),
                                            self.lora_stacks)  # runs async
+            pooled = pool(hidden, t) if pool is not None else None
             for args in self._pending_loads:
                 self.penalties = penalties.load_slot(self.penalties, *args)
             self._pending_loads = []
@@ -282,7 +296,7 @@ class ModelRunner(CompiledSteps):
             first_run |= t not in self._prompt_executables  # a compile here is no step's cost
             plp = self.prompt_executable(t)(self._weights, hidden, inputs.prompt_next)
         self._primed.add(t)
-        return PendingStep(t, out, padded, wanted, plp, began, first_run)
+        return PendingStep(t, out, padded, wanted, plp, began, first_run, pooled)
 
     def fetch(self, pending: PendingStep):
         """Waits for a dispatched step and returns its sampler output (numpy): rank r's entry
@@ -294,6 +308,8 @@ class ModelRunner(CompiledSteps):
         result = _Result(**{k: to_host(getattr(pending.out, k)) for k in pending.wanted})
         if pending.prompt is not None:
             result.prompt = jax.tree.map(to_host, pending.prompt)
+        if pending.pooled is not None:
+            result.pooled = to_host(pending.pooled)
         end = time.perf_counter()
         self.last_wait_s = end - wait  # host blocked on the device
         if not pending.first_run:  # from when the device could start it (the step before it ended)
@@ -318,6 +334,7 @@ class _Result:
     accepted: np.ndarray | None = None  # [S] bool, with drafts: the row's draft is accepted
     resampled: np.ndarray | None = None  # [S] int32, with drafts: the token emitted where it is not
     prompt: object = None  # PromptLogprobs (numpy) of the step's tokens, when asked
+    pooled: np.ndarray | None = None  # [dp * S, E] float32: the pooling hook's sums, when the step pooled
 
 
 def _logits_width(model) -> int:

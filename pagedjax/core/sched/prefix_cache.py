@@ -24,8 +24,8 @@ class PrefixCache:
     def match(self, req: Request) -> tuple[list[int], bytes | None]:
         """Cached blocks covering req's leading full blocks (at least one token left to
         compute), and the key of the full block after them (None: none left to look up)."""
-        if not self.pool.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return [], None  # prompt logprobs need every prompt position computed
+        if not self.pool.enable_prefix_caching or req.needs_every_prompt_position:
+            return [], None  # prompt logprobs and mean pooling need every prompt position computed
         hits, parent, bs = [], None, self.block_size
         all_ids = req.all_token_ids
         for i in range((req.num_tokens - 1) // bs):

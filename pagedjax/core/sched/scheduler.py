@@ -53,7 +53,10 @@ class Scheduler:
     # -- queue management -----------------------------------------------------------------
     def add(self, req: Request) -> None:
         n = req.num_prompt_tokens
-        if n >= self.max_model_len:
+        if req.pooling is not None and n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                             f"(an embedding's prompt may have at most max_model_len tokens)")
+        if req.pooling is None and n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}, "
                              f"which leaves no room to generate (prompt must be shorter than max_model_len)")
         need = cdiv(min(n + req.params.max_tokens, self.max_model_len), self.block_size)
@@ -280,10 +283,10 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int, list[int] | None]]:
         """Advances counters; returns (request, its index in out.requests, new tokens) for
         requests that completed their pending tokens (partial prefill chunks produce none; a
-        max_tokens=0 request finishes with None), for the caller to append: the engine's
-        OutputProcessor is the one writer of output tokens. sampled: each entry's tokens, one, or
-        with drafts the accepted drafts plus one (only the verified positions count as
-        computed; blocks past them go back to the pool)."""
+        prefill-only request, max_tokens=0 or an embedding, finishes with None), for the caller
+        to append: the engine's OutputProcessor is the one writer of output tokens. sampled:
+        each entry's tokens, one, or with drafts the accepted drafts plus one (only the verified
+        positions count as computed; blocks past them go back to the pool)."""
         produced = []
         for i, (req, q, tokens) in enumerate(zip(out.requests, out.q_lens, sampled)):
             if req.is_finished:  # async scheduling: it ended (stop, abort) while this step ran
@@ -296,7 +299,7 @@ class Scheduler:
             if req.num_computed_tokens < req.num_tokens:
                 continue
             self.prefix.release(req)  # nothing left to compute: its blocks are cached
-            if req.params.max_tokens == 0:  # scoring a prompt: nothing to generate
+            if req.prefill_only:  # scoring a prompt or an embedding: nothing to generate
                 self.finish(req, "length")
                 produced.append((req, i, None))
                 continue
