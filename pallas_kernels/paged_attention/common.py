@@ -90,23 +90,46 @@ def prefill_tile(kv_len, q_len, tile, q_tile: int):
     return first_pos, n_valid, end
 
 
-def causal_mask(scores: jax.Array, row, tok, first_pos, n_valid, group: int) -> jax.Array:
+def window_first_page(first_pos, page_size: int, sliding_window):
+    """First page holding a key inside the window of a query at first_pos (0 without a
+    window): where a walk over the pages of that query and later ones starts."""
+    if sliding_window is None:
+        return 0
+    return jnp.maximum(first_pos - (sliding_window - 1), 0) // page_size
+
+
+def soft_cap_scores(scores: jax.Array, soft_cap) -> jax.Array:
+    """soft_cap * tanh(scores / soft_cap) (None: scores as they are)."""
+    if soft_cap is None:
+        return scores
+    return soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def causal_mask(scores: jax.Array, row, tok, first_pos, n_valid, group: int,
+                sliding_window=None) -> jax.Array:
     """Prefill masking of scores [R, T] for a tile of query-major rows.
 
     Row r is query slot r // group of the tile, at position first_pos + r // group; it sees
-    key positions tok <= that position, and nothing when r // group >= n_valid. Written
-    without integer division: r // group >= x  <=>  r >= x * group.
+    key positions tok <= that position (and, with a window W, > that position - W), and
+    nothing when r // group >= n_valid. Written without integer division: r // group >= x
+    <=>  r >= x * group; r // group < x  <=>  r < x * group.
     """
     ok = (row >= (tok - first_pos) * group) & (row < n_valid * group)
+    if sliding_window is not None:
+        ok &= row < (tok - first_pos + sliding_window) * group
     return jnp.where(ok, scores, NEG_INF)
 
 
-def mask_scores(scores: jax.Array, tok: jax.Array, kv_len) -> jax.Array:
+def mask_scores(scores: jax.Array, tok: jax.Array, kv_len, sliding_window=None) -> jax.Array:
     """scores [R, T] with keys at absolute positions tok (broadcastable to [R, T]).
 
-    Decode (Q == 1): the query sits at kv_len - 1, so causality is `tok < kv_len`.
+    Decode (Q == 1): the query sits at kv_len - 1, so causality is `tok < kv_len` (and a
+    window W keeps tok >= kv_len - W).
     """
-    return jnp.where(tok < kv_len, scores, NEG_INF)
+    ok = tok < kv_len
+    if sliding_window is not None:
+        ok &= tok >= kv_len - sliding_window
+    return jnp.where(ok, scores, NEG_INF)
 
 
 def softmax_step(m, l, acc, scores, pv, *, keepdims: bool):

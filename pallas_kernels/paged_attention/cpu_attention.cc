@@ -14,6 +14,10 @@
 // position kv_lens[s] - q_lens[s] + j and attends causally to keys 0..that position (and
 // < kv_lens[s]). Tokens no sequence owns, and sequences with no key, give zeros. (The padded
 // [S, Q] layout is the special case q_starts[s] = s * Q.)
+// Attributes: scale; sliding_window (> 0: the query at p sees key t only if p - t < window;
+// 0: no window); soft_cap (> 0: a scaled score s becomes soft_cap * tanh(s / soft_cap) before
+// masking; 0: off). With a window, a task starts at the first page holding a key inside the
+// window of the sequence's earliest query: pages wholly before it are never read.
 // Table entries past a sequence's keys are never read; out-of-range entries in use are
 // clamped to [0, NB) (as the ragged path does).
 //
@@ -313,14 +317,16 @@ constexpr int64_t kDChunk = 16;
 // the page (P: float, uint16_t holding bf16, int8_t or Fp8E4M3); ks, vs [n]: quantized pages'
 // per-key factors (RawFactor x scale; unused otherwise). qs [rows_pad, D]: the queries, pre-scaled,
 // zero-padded to a multiple of kRowBlock rows; seen [rows_pad]: how many of the tile's keys
-// each row sees (causal; 0..n). Updates each row's running max m, sum l and accumulator acc
+// each row sees (causal; 0..n), from [rows_pad]: the first of them (sliding window; 0
+// without; a row with from >= seen must have seen 0); soft_cap > 0: scores soft-capped. Updates each row's running max m, sum l and accumulator acc
 // [rows_pad, D]. kt [D, kTile], vt [kTile, D], p [kRowBlock, kTile]: scratch.
 // The keys are transposed into kt so that a row's kTile scores come out of D vector FMAs with
 // no horizontal sums; each key vector then serves kRowBlock rows.
 template <int64_t kD, typename P>
 void TileStep(const float* __restrict qs, const P* __restrict k, const P* __restrict v,
               const float* __restrict ks, const float* __restrict vs, int64_t n,
-              int64_t dim, int64_t rows_pad, const int64_t* __restrict seen, float* __restrict kt,
+              int64_t dim, int64_t rows_pad, const int64_t* __restrict seen, const int64_t* __restrict from,
+              float soft_cap, float* __restrict kt,
               float* __restrict vt, float* __restrict p, float* __restrict acc, float* __restrict m,
               float* __restrict l) {
   const int64_t d = kD > 0 ? kD : dim;
@@ -348,22 +354,27 @@ void TileStep(const float* __restrict qs, const P* __restrict k, const P* __rest
       }
     }
     for (int64_t b = 0; b < kRowBlock; ++b) {
-      const int64_t r = r0 + b, nr = seen[r];
+      const int64_t r = r0 + b, nr = seen[r], fr = from[r];
       float* pr = p + b * kTile;
       if (nr == 0) {  // this row sees none of the tile: weights 0, state unchanged
         std::fill_n(pr, kTile, 0.f);
         continue;
       }
+      if (soft_cap > 0.f) {
+        const float inv_cap = 1.f / soft_cap;
+        for (int64_t t = fr; t < nr; ++t) s[b][t] = soft_cap * std::tanh(s[b][t] * inv_cap);
+      }
       float mx = kNoMax;
-      for (int64_t t = 0; t < nr; ++t) mx = std::max(mx, s[b][t]);
+      for (int64_t t = fr; t < nr; ++t) mx = std::max(mx, s[b][t]);
       const float m_new = std::max(m[r], mx);
       const float alpha = ExpSoftmax(m[r] - m_new);  // 0 on the first tile (m = kNoMax)
       float sum = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
       __m256 vsum = _mm256_setzero_ps();
-      for (int64_t t = 0; t < kTile; t += 8) {  // lanes t + i < nr only
+      for (int64_t t = 0; t < kTile; t += 8) {  // lanes fr <= t + i < nr only
         const __m256 lane = _mm256_add_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(t)));
-        const __m256 seen_mask = _mm256_cmp_ps(lane, _mm256_set1_ps(float(nr)), _CMP_LT_OQ);
+        const __m256 seen_mask = _mm256_and_ps(_mm256_cmp_ps(lane, _mm256_set1_ps(float(nr)), _CMP_LT_OQ),
+                                               _mm256_cmp_ps(lane, _mm256_set1_ps(float(fr)), _CMP_GE_OQ));
         const __m256 e = _mm256_and_ps(ExpSoftmax8(_mm256_sub_ps(_mm256_loadu_ps(&s[b][t]), _mm256_set1_ps(m_new))),
                                        seen_mask);
         _mm256_storeu_ps(pr + t, e);
@@ -375,7 +386,7 @@ void TileStep(const float* __restrict qs, const P* __restrict k, const P* __rest
 #else
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < kTile; ++t) {
-        const float e = t < nr ? ExpSoftmax(s[b][t] - m_new) : 0.f;
+        const float e = t < nr && t >= fr ? ExpSoftmax(s[b][t] - m_new) : 0.f;
         pr[t] = e;
         sum += e;
       }
@@ -421,7 +432,7 @@ void TileStep(const float* __restrict qs, const P* __restrict k, const P* __rest
 // A task's working memory, kept per thread across calls (no allocation per task).
 struct Scratch {
   std::vector<float> m, l, acc, qs, kt, vt, p, ks, vs;
-  std::vector<int64_t> limit, seen;
+  std::vector<int64_t> limit, lo, seen, from;
 };
 
 // Attention of sequence `seq` against kv head `hk`: every query row j * G + g. kD > 0 fixes
@@ -431,7 +442,8 @@ struct Scratch {
 template <int64_t kD, typename P>
 void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const P* kp,
                const P* vp, const uint16_t* ksp, const uint16_t* vsp, const int32_t* tables, const int32_t* kv_lens,
-               const int32_t* q_starts, const int32_t* q_lens, float scale, float* out) {
+               const int32_t* q_starts, const int32_t* q_lens, float scale, int64_t window, float soft_cap,
+               float* out) {
   const int64_t g_count = sh.h / sh.hkv, d = kD > 0 ? kD : sh.d, bs = sh.bs;
   const int64_t q0 = q_starts[seq];  // first query token of the sequence in q / out
   if (q0 < 0 || q0 >= sh.t) return;
@@ -452,7 +464,9 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
   w.ks.resize(kTile);
   w.vs.resize(kTile);
   w.limit.assign(rows_pad, -1);  // last key position each row sees (-1: padding, sees none)
+  w.lo.assign(rows_pad, 0);  // first key position each row sees (sliding window; 0 without)
   w.seen.resize(rows_pad);
+  w.from.assign(rows_pad, 0);
   int64_t last = -1;
   for (int64_t j = 0; j < q_len; ++j) {
     const int64_t lim = std::min(first_pos + j, kv_len - 1);
@@ -460,12 +474,16 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
     for (int64_t g = 0; g < g_count; ++g) {
       const int64_t r = j * g_count + g;
       w.limit[r] = lim;
+      if (window > 0) w.lo[r] = std::max<int64_t>(first_pos + j - window + 1, 0);
       const float* src = q + ((q0 + j) * sh.h + hk * g_count + g) * d;
       for (int64_t i = 0; i < d; ++i) w.qs[r * d + i] = src[i] * scale;
     }
   }
   const int32_t* table = tables + seq * sh.mb;
-  for (int64_t page = 0; page * bs <= last; ++page) {
+  // with a window, the first page (and tile in it) holding a key the earliest query (j = 0) sees
+  const int64_t first_key = window > 0 ? std::max<int64_t>(first_pos - window + 1, 0) : 0;
+  const int64_t first_page = first_key / bs;
+  for (int64_t page = first_page; page * bs <= last; ++page) {
     const int64_t blk = std::clamp<int64_t>(table[page], 0, sh.nb - 1);
     const int64_t page_seen = std::min(bs, last - page * bs + 1);  // keys of this page any row sees
     const P* kb = kp + (hk * sh.nb + blk) * bs * d;  // [BS, D]
@@ -482,9 +500,19 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
           __builtin_prefetch(vsp + nxt_blk * bs + i);
         }
     }
-    for (int64_t t0 = 0; t0 < page_seen; t0 += kTile) {
+    const int64_t tile0 = page == first_page ? (first_key - page * bs) / kTile * kTile : 0;
+    for (int64_t t0 = tile0; t0 < page_seen; t0 += kTile) {
       const int64_t n = std::min(kTile, page_seen - t0), base = page * bs + t0;
       for (int64_t r = 0; r < rows_pad; ++r) w.seen[r] = std::clamp<int64_t>(w.limit[r] - base + 1, 0, n);
+      if (window > 0) {
+        bool any = false;
+        for (int64_t r = 0; r < rows_pad; ++r) {
+          w.from[r] = std::clamp<int64_t>(w.lo[r] - base, 0, n);
+          if (w.from[r] >= w.seen[r]) w.seen[r] = w.from[r] = 0;  // the tile is before the row's window
+          any = any || w.seen[r] > 0;
+        }
+        if (!any) continue;  // before every row's window
+      }
       if constexpr (kQuantized<P>) {
         const uint16_t* ksb = ksp + (hk * sh.nb + blk) * bs + t0;
         const uint16_t* vsb = vsp + (hk * sh.nb + blk) * bs + t0;
@@ -494,7 +522,7 @@ void AttendOne(const Shapes& sh, int64_t seq, int64_t hk, const float* q, const 
         }
       }
       TileStep<kD, P>(w.qs.data(), kb + t0 * d, vb + t0 * d, w.ks.data(), w.vs.data(), n, d, rows_pad,
-                      w.seen.data(), w.kt.data(), w.vt.data(), w.p.data(), w.acc.data(), w.m.data(), w.l.data());
+                      w.seen.data(), w.from.data(), soft_cap, w.kt.data(), w.vt.data(), w.p.data(), w.acc.data(), w.m.data(), w.l.data());
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -514,7 +542,8 @@ ffi::Error RunAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, PageBuf
                         PageBuf& v_pages, ffi::Buffer<ffi::F16>* k_scales,
                         ffi::Buffer<ffi::F16>* v_scales, ffi::Buffer<ffi::S32>& block_tables,
                         ffi::Buffer<ffi::S32>& kv_lens, ffi::Buffer<ffi::S32>& q_starts,
-                        ffi::Buffer<ffi::S32>& q_lens, float scale, ffi::ResultBuffer<ffi::F32>& out) {
+                        ffi::Buffer<ffi::S32>& q_lens, float scale, int64_t window, float soft_cap,
+                        ffi::ResultBuffer<ffi::F32>& out) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto vd = v_pages.dimensions();
@@ -528,6 +557,7 @@ ffi::Error RunAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, PageBuf
   Shapes sh{qd[0], td[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1]};
   bool same_pages = true;
   for (int i = 0; i < 4; ++i) same_pages = same_pages && kd[i] == vd[i];
+  if (window < 0 || !(soft_cap >= 0.f)) return ffi::Error::InvalidArgument("paged attention: bad sliding_window / soft_cap");
   if (!same_pages || sh.hkv <= 0 || sh.nb <= 0 || sh.bs <= 0 || kd[3] != sh.d || sh.h % sh.hkv != 0 ||
       kld[0] != sh.s || qsd[0] != sh.s || qld[0] != sh.s)
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
@@ -551,8 +581,9 @@ ffi::Error RunAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, PageBuf
   float* op = out->typed_data();
   std::fill_n(op, sh.t * sh.h * sh.d, 0.f);  // tokens no sequence owns stay zero
   auto attend = sh.d == 64 ? AttendOne<64, P> : sh.d == 128 ? AttendOne<128, P> : AttendOne<0, P>;
-  pagedjax::ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, ksp, vsp, tp, kl, qs, ql, scale, op](int64_t i) {
-    attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, ksp, vsp, tp, kl, qs, ql, scale, op);
+  pagedjax::ParallelFor(pool, sh.s * sh.hkv, [&sh, attend, qp, kp, vp, ksp, vsp, tp, kl, qs, ql, scale, window, soft_cap,
+                                              op](int64_t i) {
+    attend(sh, i / sh.hkv, i % sh.hkv, qp, kp, vp, ksp, vsp, tp, kl, qs, ql, scale, window, soft_cap, op);
   });
   return ffi::Error::Success();
 }
@@ -562,9 +593,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<kPage> k_pages, ffi::Buffer<kPage> v_pages,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
-                              ffi::ResultBuffer<ffi::F32> out) {
+                              int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return RunAttention<ffi::NativeType<kPage>>(pool, q, k_pages, v_pages, nullptr, nullptr, block_tables, kv_lens, q_starts,
-                             q_lens, scale, out);
+                             q_lens, scale, sliding_window, soft_cap, out);
 }
 
 // Quantized pages (int8, f8e4m3fn) with their f16 scales [Hkv, NB, BS].
@@ -574,14 +605,14 @@ ffi::Error PagedAttentionQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::Buffer<ffi::F16> k_scales, ffi::Buffer<ffi::F16> v_scales,
                                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lens,
                                    ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens, float scale,
-                                   ffi::ResultBuffer<ffi::F32> out) {
+                                   int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   if constexpr (std::is_same_v<PageBuf, ffi::AnyBuffer>) {
     auto fp8 = [](ffi::DataType t) { return t == ffi::F8E4M3FN || t == ffi::U8; };  // U8: the e4m3fn bytes
     if (!fp8(k_pages.element_type()) || !fp8(v_pages.element_type()))
       return ffi::Error::InvalidArgument("paged attention: pages must be f8e4m3fn (or its bytes, u8)");
   }
   return RunAttention<P>(pool, q, k_pages, v_pages, &k_scales, &v_scales, block_tables, kv_lens, q_starts,
-                             q_lens, scale, out);
+                             q_lens, scale, sliding_window, soft_cap, out);
 }
 
 // The KV write for bf16 pools: XLA:CPU widens a bf16 scatter to f32 (a full pass over the
@@ -679,6 +710,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedKVWriteBF16, WriteKVImpl,
                                     .Arg<ffi::Buffer<ffi::S32>>()      /* q_starts */  \
                                     .Arg<ffi::Buffer<ffi::S32>>()      /* q_lens */    \
                                     .Attr<float>("scale")                              \
+                                    .Attr<int64_t>("sliding_window")  /* 0: none */    \
+                                    .Attr<float>("soft_cap")          /* 0: off */     \
                                     .Ret<ffi::Buffer<ffi::F32>>())
 
 PAGED_ATTENTION_HANDLER(PagedAttentionF32, ffi::F32);
@@ -698,6 +731,8 @@ PAGED_ATTENTION_HANDLER(PagedAttentionBF16, ffi::BF16);
                                     .Arg<ffi::Buffer<ffi::S32>>()      /* q_starts */  \
                                     .Arg<ffi::Buffer<ffi::S32>>()      /* q_lens */    \
                                     .Attr<float>("scale")                              \
+                                    .Attr<int64_t>("sliding_window")  /* 0: none */    \
+                                    .Attr<float>("soft_cap")          /* 0: off */     \
                                     .Ret<ffi::Buffer<ffi::F32>>())
 
 PAGED_ATTENTION_QUANT_HANDLER(PagedAttentionInt8, int8_t, ffi::Buffer<ffi::S8>);

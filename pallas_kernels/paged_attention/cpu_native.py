@@ -68,13 +68,15 @@ def native_supported(q_dtype, page_dtype) -> bool:
 
 
 def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts, q_lens, *, scale,
-                            k_scales=None, v_scales=None):
+                            sliding_window=None, soft_cap=None, k_scales=None, v_scales=None):
     """Packed layout: q [T, H, D]; sequence s owns tokens [q_starts[s], q_starts[s] + q_lens[s]).
     Same result as `packed_attention_reference` (float32 softmax; pages float32 or bfloat16;
     the output in q's dtype); needs `available()`. int8 / float8_e4m3fn pages need their
     k_scales / v_scales [Hkv, NB, BS] (float16; kv_quant.py): the result is the reference's on
     `kv_quant.dequantize(pages, scales)`; or pass the pools as kv_quant.QuantizedPages, whose
-    data and scales are taken as they are stored (fp8: its bytes)."""
+    data and scales are taken as they are stored (fp8: its bytes). sliding_window / soft_cap:
+    as in reference.py (FFI attributes, 0 = off); with a window each sequence's walk starts at
+    the first page inside the window of its earliest query."""
     if isinstance(k_pages, kv_quant.QuantizedPages):
         (k_pages, k_scales), (v_pages, v_scales) = kv_quant.split(k_pages, True), kv_quant.split(v_pages, True)
     page = jnp.dtype(k_pages.dtype).name
@@ -88,18 +90,20 @@ def packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_starts
     i32 = lambda x: x.astype(jnp.int32)
     scales = (k_scales.astype(jnp.float16), v_scales.astype(jnp.float16)) if quantized else ()
     out = call(q.astype(jnp.float32), k_pages, v_pages, *scales, i32(block_tables), i32(kv_lens), i32(q_starts),
-               i32(q_lens), scale=np.float32(scale))
+               i32(q_lens), scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
+               soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
 
 
-def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale, k_scales=None,
-                           v_scales=None):
+def paged_attention_native(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale, sliding_window=None,
+                           soft_cap=None, k_scales=None, v_scales=None):
     """Padded layout q [S, Q, H, D]: same result as `paged_attention_reference` (quantized
     pages: with their scales, as in `packed_attention_native`)."""
     s, nq, h, d = q.shape
     starts = jnp.arange(s, dtype=jnp.int32) * nq
     out = packed_attention_native(q.reshape(s * nq, h, d), k_pages, v_pages, block_tables, kv_lens, starts,
-                                  q_lens, scale=scale, k_scales=k_scales, v_scales=v_scales)
+                                  q_lens, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  k_scales=k_scales, v_scales=v_scales)
     return out.reshape(s, nq, h, d)
 
 

@@ -30,6 +30,16 @@ the same block table: gathered on GPU, DMA'd into VMEM on TPU), their dots fed t
 e4m3fn values in q's dtype (exact in f32 and bf16) with the K scales applied to the scores and
 the V scales to the probabilities in f32 (common.compute_dtype). "auto" picks the Pallas
 kernels for them as for float pages (TPU: page size a multiple of 32, the 8-bit tile).
+
+Every entry point and every impl takes two static options (plain Python values, part of
+each kernel's compile-time configuration; reference.py defines them):
+  sliding_window: int >= 1 | None   the query at p sees key t iff t <= p and p - t < window
+  soft_cap: float > 0 | None        scores s = scale * q.k become soft_cap * tanh(s / soft_cap)
+None (the default) leaves every result as it was. With a window, the impls that walk pages
+("chunked", "ragged", "native", the Pallas kernels, and the dense path) start each sequence
+(or query tile / row) at the first page holding a key inside the window of its earliest
+query, so a sequence far longer than the window costs about the window, and pages wholly
+before the window are never read ("reference" gathers every page, masked).
 """
 from __future__ import annotations
 
@@ -127,66 +137,89 @@ def _resolve(impl, q_dtype, page_size, page_dtype):
     return impl
 
 
+def _check_options(sliding_window, soft_cap):
+    """The static options: sliding_window an int >= 1 or None, soft_cap a float > 0 or None."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if soft_cap is not None:
+        if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not math.isfinite(soft_cap) \
+                or soft_cap <= 0:
+            raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
+    return (None if sliding_window is None else int(sliding_window),
+            None if soft_cap is None else float(soft_cap))
+
+
 def _tpu_interpret():
     from jax.experimental.pallas import tpu as pltpu
     # Simulated DMAs land only at .wait(), scratch starts as NaN: catches ordering bugs.
     return pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
 
 
-def _decode(impl, q, k_pages, v_pages, block_tables, kv_lens, scale):
-    """q [S, H, D] through a Pallas decode kernel (quantized pages with their scales)."""
+def _decode(impl, q, k_pages, v_pages, block_tables, kv_lens, scale, opts):
+    """q [S, H, D] through a Pallas decode kernel (quantized pages with their scales);
+    opts: dict(sliding_window=..., soft_cap=...)."""
     (k, k_scales), (v, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
     if impl.startswith("pallas_tpu"):
         interpret = _tpu_interpret() if impl.endswith("interpret") else False
         return paged_decode_attention_tpu(q, k, v, block_tables, kv_lens, scale=scale, interpret=interpret,
-                                          k_scales=k_scales, v_scales=v_scales)
+                                          k_scales=k_scales, v_scales=v_scales, **opts)
     return paged_decode_attention_gpu(q, k, v, block_tables, kv_lens, scale=scale,
-                                      interpret=impl.endswith("interpret"), k_scales=k_scales, v_scales=v_scales)
+                                      interpret=impl.endswith("interpret"), k_scales=k_scales, v_scales=v_scales,
+                                      **opts)
 
 
-def _prefill(impl, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
+def _prefill(impl, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale, opts):
     """q [S, Q, H, D], Q > 1, through a Pallas prefill kernel (quantized pages with their scales)."""
     (k, k_scales), (v, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
     if impl.startswith("pallas_tpu"):
         interpret = _tpu_interpret() if impl.endswith("interpret") else False
         return paged_prefill_attention_tpu(q, k, v, block_tables, kv_lens, q_lens, scale=scale,
-                                           interpret=interpret, k_scales=k_scales, v_scales=v_scales)
+                                           interpret=interpret, k_scales=k_scales, v_scales=v_scales, **opts)
     return paged_prefill_attention_gpu(q, k, v, block_tables, kv_lens, q_lens, scale=scale,
-                                       interpret=impl.endswith("interpret"), k_scales=k_scales, v_scales=v_scales)
+                                       interpret=impl.endswith("interpret"), k_scales=k_scales, v_scales=v_scales,
+                                       **opts)
 
 
-def _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale):
+def _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale, opts):
     fn = {"reference": reference.paged_attention_reference,
           "chunked": reference.paged_attention_chunked,
           "ragged": ragged.paged_attention_ragged,
           "native": cpu_native.paged_attention_native}[name]
-    return fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale=scale)
+    return fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale=scale, **opts)
 
 
 def _scale(scale, d):
     return 1.0 / math.sqrt(d) if scale is None else scale
 
 
+def _options(sliding_window, soft_cap):
+    w, c = _check_options(sliding_window, soft_cap)
+    return dict(sliding_window=w, soft_cap=c)
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale=None,
-                    impl="auto"):
-    """q [S, Q, H, D] -> [S, Q, H, D]; see reference.py for the layout and semantics."""
+                    impl="auto", sliding_window=None, soft_cap=None):
+    """q [S, Q, H, D] -> [S, Q, H, D]; see reference.py for the layout and semantics
+    (sliding_window, soft_cap: static options, see the module doc)."""
     _check_rank("q", q, 4, "[S, Q, H, D]")
     _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl)
+    opts = _options(sliding_window, soft_cap)
     scale = _scale(scale, q.shape[-1])
     name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
     if name in _XLA_IMPLS:
-        return _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale)
+        return _xla(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale, opts)
     if q.shape[1] > 1:
-        return _prefill(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale)
+        return _prefill(name, q, k_pages, v_pages, block_tables, kv_lens, q_lens, scale, opts)
     lens = jnp.where(q_lens > 0, kv_lens, 0)  # an empty query slot outputs zeros
-    return _decode(name, q[:, 0], k_pages, v_pages, block_tables, lens, scale)[:, None]
+    return _decode(name, q[:, 0], k_pages, v_pages, block_tables, lens, scale, opts)[:, None]
 
 
 PACKED_ROW_TOKENS = 16  # query tokens per row when a packed step runs on a padded backend
 
 
 def packed_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale=None,
-                           impl="auto"):
+                           impl="auto", sliding_window=None, soft_cap=None):
     """Packed layout: q [T, H, D] -> [T, H, D]; see packed.py for the layout and semantics.
 
     "native" and "reference" take the packed layout as it is. The other backends take
@@ -201,40 +234,43 @@ def packed_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     if cu_q_lens.shape[0] != s + 1:
         raise ValueError(f"cu_q_lens must have S + 1 = {s + 1} entries, got {cu_q_lens.shape[0]}")
     _validate(jax.ShapeDtypeStruct((s, 1, h, d), q.dtype), k_pages, v_pages, block_tables, kv_lens, None, impl)
+    opts = _options(sliding_window, soft_cap)
     scale = _scale(scale, d)
     name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
     if name == "native":
         return cpu_native.packed_attention_native(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens[:-1],
-                                                  cu_q_lens[1:] - cu_q_lens[:-1], scale=scale)
+                                                  cu_q_lens[1:] - cu_q_lens[:-1], scale=scale, **opts)
     if name == "reference":
         return packed.packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
-                                                 scale=scale)
+                                                 scale=scale, **opts)
     tile = 1 if t <= s else PACKED_ROW_TOKENS
     q_rows, tables, row_kv, row_q, token_row, token_slot = packed.to_rows(q, block_tables, kv_lens, cu_q_lens,
                                                                           tile)
     if name in _XLA_IMPLS:
-        out = _xla(name, q_rows, k_pages, v_pages, tables, row_kv, row_q, scale)
+        out = _xla(name, q_rows, k_pages, v_pages, tables, row_kv, row_q, scale, opts)
     elif tile > 1:
-        out = _prefill(name, q_rows, k_pages, v_pages, tables, row_kv, row_q, scale)
+        out = _prefill(name, q_rows, k_pages, v_pages, tables, row_kv, row_q, scale, opts)
     else:
-        out = _decode(name, q_rows[:, 0], k_pages, v_pages, tables, jnp.where(row_q > 0, row_kv, 0), scale)[:, None]
+        out = _decode(name, q_rows[:, 0], k_pages, v_pages, tables, jnp.where(row_q > 0, row_kv, 0), scale,
+                      opts)[:, None]
     return packed.from_rows(out, token_row, token_slot)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, kv_lens, *, scale=None,
-                           impl="auto"):
+                           impl="auto", sliding_window=None, soft_cap=None):
     """One query token per sequence: q [S, H, D] -> [S, H, D]."""
     _check_rank("q", q, 3, "[S, H, D]")
     s, h, d = q.shape
     q4 = jax.ShapeDtypeStruct((s, 1, h, d), q.dtype)  # shape-only view as [S, 1, H, D]
     _validate(q4, k_pages, v_pages, block_tables, kv_lens, None, impl)
+    opts = _options(sliding_window, soft_cap)
     scale = _scale(scale, q.shape[-1])
     name = _resolve(impl, q.dtype, k_pages.shape[2], k_pages.dtype)
     if name in _XLA_IMPLS:
         q_lens = jnp.ones(q.shape[:1], jnp.int32)
         return _xla(name, q[:, None], k_pages, v_pages, block_tables, kv_lens, q_lens,
-                    scale)[:, 0]
-    return _decode(name, q, k_pages, v_pages, block_tables, kv_lens, scale)
+                    scale, opts)[:, 0]
+    return _decode(name, q, k_pages, v_pages, block_tables, kv_lens, scale, opts)
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):

@@ -13,7 +13,7 @@ prompt chunk; padding sequences own none (equal offsets) and tokens past cu_q_le
 to no sequence. Query j of sequence s (q_len = cu_q_lens[s + 1] - cu_q_lens[s]) sits at
 position kv_lens[s] - q_len + j and attends causally to keys 0..that position. Tokens no
 sequence owns, and sequences with kv_lens == 0, produce zeros. Softmax in float32; the output
-has q's dtype.
+has q's dtype. sliding_window and soft_cap as in reference.py.
 
 Backends that take the padded [S, Q] layout (the Pallas kernels, the XLA loops) run through
 `to_rows` / `from_rows`: the tokens are cut into rows of at most `tile` query tokens, each
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from .kv_quant import load
-from .reference import F32_DOTS, NEG_INF
+from .reference import F32_DOTS, NEG_INF, cap_scores, key_visible
 
 
 def count_at_most(sorted_values: jax.Array, x: jax.Array) -> jax.Array:
@@ -45,7 +45,8 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     return jnp.where(owned, s, cu_q_lens.shape[0] - 1)
 
 
-def packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale):
+def packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, scale,
+                               sliding_window=None, soft_cap=None):
     """Gathers every page of each token's sequence and runs masked softmax attention."""
     t, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -59,9 +60,10 @@ def packed_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_
     take = lambda pages: pages[:, tables].reshape(hkv, t, mb * bs, pages.shape[-1])
     k, v = load(k_pages, take), load(v_pages, take)  # [Hkv, T, K, D] float32
     qg = q.reshape(t, hkv, h // hkv, d).astype(jnp.float32)  # [T, Hkv, G, D]
-    scores = jnp.einsum("tkgd,ktjd->tkgj", qg, k, precision=F32_DOTS) * scale
+    scores = cap_scores(jnp.einsum("tkgd,ktjd->tkgj", qg, k, precision=F32_DOTS) * scale, soft_cap)
     key = jnp.arange(mb * bs, dtype=jnp.int32)
-    valid = (key[None, :] <= pos[:, None]) & (key[None, :] < kv_lens[seq_c][:, None]) & owned[:, None]
+    valid = key_visible(key[None, :], pos[:, None], sliding_window)
+    valid &= (key[None, :] < kv_lens[seq_c][:, None]) & owned[:, None]
     scores = jnp.where(valid[:, None, None], scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))

@@ -13,6 +13,10 @@ as the data ([P, BS] -> a [T] f32 row, masked rows 0), feeds the dots the raw pa
 cast to the compute dtype (q's: exact for int8 and e4m3fn), and dequantizes on the fly:
 scores[:, t] *= k_scale[t] before masking, and p[:, t] * v_scale[t] goes into the P.V dot;
 the softmax state and the accumulator stay f32. The pool is never dequantized as a whole.
+
+sliding_window / soft_cap (static, reference.py): with a window the splits cover the pages
+from the first one holding a key inside the query's window (pages before it are never
+loaded); soft_cap caps the scaled (dequantized) scores before masking.
 """
 from __future__ import annotations
 
@@ -110,7 +114,7 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
             k_ref, v_ref,  # [Hkv, NB, BS, D] (whole)
             *refs,  # [k_scales, v_scales ([Hkv, NB, BS] f16, whole; quantized pages),]
             # o_ref: [R, Dp] f32 block, normalized partial output; lse_ref: [R] f32 block
-            scale, pages_per_block, pages_per_split, max_blocks, quantized):
+            scale, pages_per_block, pages_per_split, max_blocks, quantized, sliding_window, soft_cap):
     ks_ref, vs_ref, o_ref, lse_ref = split_refs(refs, quantized)
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, nb, bs, d = k_ref.shape
@@ -119,7 +123,7 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
     t = p * bs
     kv_len = lens_ref[s]
     n_pages = jnp.minimum((kv_len + bs - 1) // bs, max_blocks)
-    first = split * pages_per_split
+    first = common.window_first_page(kv_len - 1, bs, sliding_window) + split * pages_per_split
     last = jnp.minimum(first + pages_per_split, n_pages)
     n_iter = (jnp.maximum(last - first, 0) + p - 1) // p
 
@@ -135,9 +139,9 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
         k = load_pages(k_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         v = load_pages(v_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         scores = plgpu.dot(q, k, trans_b=True, precision=prec) * scale  # [R, T] f32
-        scores = scale_scores(scores, ks_ref, h, ids, rows_ok)
+        scores = common.soft_cap_scores(scale_scores(scores, ks_ref, h, ids, rows_ok), soft_cap)
         tok = page0 * bs + jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
-        scores = common.mask_scores(scores, tok, kv_len)
+        scores = common.mask_scores(scores, tok, kv_len, sliding_window)
 
         def pv(pr):  # [R, T] f32 -> [R, Dp] f32
             pr = scale_probs(pr, vs_ref, h, ids, rows_ok)
@@ -157,12 +161,13 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
 def paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, *, scale,
                                pages_per_compute_block=None, num_splits=None,
                                num_warps=4, num_stages=2, interpret=False,
-                               k_scales=None, v_scales=None):
+                               k_scales=None, v_scales=None, sliding_window=None, soft_cap=None):
     """q [S, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens [S] -> [S, H, D].
 
     Unvalidated kernel entry (see ops.paged_decode_attention); BS must be a power of two.
     Quantized pages: k_pages / v_pages int8 or float8_e4m3fn with k_scales / v_scales
     [Hkv, NB, BS] float16 (both or neither), dequantized as each page is read.
+    sliding_window / soft_cap: static options as in reference.py.
     """
     s, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -177,11 +182,14 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, *, sc
     rows, dp = max(16, common.next_pow2(g)), max(16, common.next_pow2(d))
     cdt = common.compute_dtype(q.dtype, k_pages.dtype)
     qf = common.fold_decode_q(q, hkv, rows, dp, cdt)  # [S, Hkv, R, Dp]
-    bt = jnp.pad(block_tables, ((0, 0), (0, ksplit * pps - mb)))  # [S, K * PS]
+    # [S, K * PS]; a window shifts the splits by a page count that is no multiple of P: P more
+    extra = 0 if sliding_window is None else p
+    bt = jnp.pad(block_tables, ((0, 0), (0, ksplit * pps - mb + extra)))
     whole = pl.BlockSpec()  # full array; the kernel indexes it
     scale_ops, scale_specs = scale_inputs(k_scales, v_scales)
     kernel = functools.partial(_kernel, scale=float(scale), pages_per_block=p,
-                               pages_per_split=pps, max_blocks=mb, quantized=bool(scale_ops))
+                               pages_per_split=pps, max_blocks=mb, quantized=bool(scale_ops),
+                               sliding_window=sliding_window, soft_cap=soft_cap)
     o, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((s, hkv, ksplit, rows, dp), jnp.float32),

@@ -12,7 +12,9 @@ merged in jnp afterwards, with K == 1 the partial is the answer.
 
 Quantized pages (k_scales / v_scales given) are dequantized per step exactly as in the
 decode kernel (pallas_gpu.py): scales gathered through the same page ids, applied to the
-scores' and probabilities' columns in f32.
+scores' and probabilities' columns in f32. sliding_window / soft_cap (static, reference.py):
+with a window a tile's splits cover the pages from the first one holding a key inside the
+window of its earliest query.
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
             k_ref, v_ref,  # [Hkv, NB, BS, D] (whole)
             *refs,  # [k_scales, v_scales ([Hkv, NB, BS] f16, whole; quantized pages),]
             # o_ref: [R, Dp] f32 block, normalized partial output; lse_ref: [R] f32 block
-            scale, group, block_q, pages_per_block, pages_per_split, max_blocks, quantized):
+            scale, group, block_q, pages_per_block, pages_per_split, max_blocks, quantized,
+            sliding_window, soft_cap):
     ks_ref, vs_ref, o_ref, lse_ref = split_refs(refs, quantized)
     s, h = pl.program_id(0), pl.program_id(1)
     tile, split = pl.program_id(2), pl.program_id(3)
@@ -54,7 +57,7 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
     t = p * bs
     first_pos, n_valid, end = common.prefill_tile(kv_lens_ref[s], q_lens_ref[s], tile, block_q)
     n_pages = jnp.minimum((end + bs - 1) // bs, max_blocks)
-    first = split * pages_per_split
+    first = common.window_first_page(first_pos, bs, sliding_window) + split * pages_per_split
     last = jnp.minimum(first + pages_per_split, n_pages)
     n_iter = (jnp.maximum(last - first, 0) + p - 1) // p
 
@@ -71,9 +74,9 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
         k = load_pages(k_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         v = load_pages(v_ref, h, ids, rows_ok, dp, q.dtype)  # [T, Dp]
         scores = plgpu.dot(q, k, trans_b=True, precision=prec) * scale  # [R, T] f32
-        scores = scale_scores(scores, ks_ref, h, ids, rows_ok)
+        scores = common.soft_cap_scores(scale_scores(scores, ks_ref, h, ids, rows_ok), soft_cap)
         tok = page0 * bs + jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
-        scores = common.causal_mask(scores, row, tok, first_pos, n_valid, group)
+        scores = common.causal_mask(scores, row, tok, first_pos, n_valid, group, sliding_window)
 
         def pv(pr):  # [R, T] f32 -> [R, Dp] f32
             pr = scale_probs(pr, vs_ref, h, ids, rows_ok)
@@ -93,13 +96,14 @@ def _kernel(bt_ref,  # [S, K * PS] int32 (whole)
 def paged_prefill_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale,
                                 block_q=None, pages_per_compute_block=None, num_splits=None,
                                 num_warps=4, num_stages=2, interpret=False,
-                                k_scales=None, v_scales=None):
+                                k_scales=None, v_scales=None, sliding_window=None, soft_cap=None):
     """q [S, Q, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens / q_lens [S]
     -> [S, Q, H, D] (semantics of `paged_attention_reference`).
 
     Unvalidated kernel entry (see ops.paged_attention); BS must be a power of two. block_q
     (query slots per tile) is rounded to a power of two giving >= 16 rows. Quantized pages:
     int8 / float8_e4m3fn with k_scales / v_scales [Hkv, NB, BS] float16 (both or neither).
+    sliding_window / soft_cap: static options as in reference.py.
     """
     s, nq, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -119,12 +123,14 @@ def paged_prefill_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
     ksplit = -(-mb // pps)
     cdt = common.compute_dtype(q.dtype, k_pages.dtype)
     qf = common.fold_prefill_q(q, hkv, n_tiles * tq, gp, dp, cdt)  # [S, Hkv, Qp * Gp, Dp]
-    bt = jnp.pad(block_tables, ((0, 0), (0, ksplit * pps - mb)))  # [S, K * PS]
+    # [S, K * PS]; a window shifts the splits by a page count that is no multiple of P: P more
+    extra = 0 if sliding_window is None else p
+    bt = jnp.pad(block_tables, ((0, 0), (0, ksplit * pps - mb + extra)))
     whole = pl.BlockSpec()  # full array; the kernel indexes it
     scale_ops, scale_specs = scale_inputs(k_scales, v_scales)
     kernel = functools.partial(_kernel, scale=float(scale), group=gp, block_q=tq,
                                pages_per_block=p, pages_per_split=pps, max_blocks=mb,
-                               quantized=bool(scale_ops))
+                               quantized=bool(scale_ops), sliding_window=sliding_window, soft_cap=soft_cap)
     o, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((s, hkv, ksplit, n_tiles * rows, dp), jnp.float32),

@@ -14,7 +14,10 @@ extent of the row, on its own semaphores). A compute block reads its [P, BS] sca
 [1, T] f32 row and dequantizes on the fly: the dots take the raw 8-bit values cast to the
 compute dtype (q's; exact), the scores' columns are multiplied by the K scales and the
 probabilities' columns by the V scales, in f32. Page size: a multiple of 32 (the 8-bit data
-tile's rows, `tpu_supported`). Not yet run on a TPU (interpret mode only): the [P, BS] ->
+tile's rows, `tpu_supported`). sliding_window / soft_cap (static, reference.py): with a window
+the walk starts at the first page holding a key inside the query's window (pages before are
+never copied), and the mask keeps the window; soft_cap caps the scaled scores before masking.
+Not yet run on a TPU (interpret mode only): the [P, BS] ->
 [1, T] reshape is a small relayout Mosaic may lower slowly (or, for BS < 128, refuse).
 """
 from __future__ import annotations
@@ -46,9 +49,10 @@ def default_pages_per_compute_block(page_size: int, max_blocks: int) -> int:
 
 
 def page_loop(bt_ref, seq, head, k_hbm, v_hbm, k_buf, v_buf, sems, *, n_pages, limit,
-              pages_per_block, max_blocks, step, init, scales=None):
-    """Fold `step(i, k [T, D], v [T, D], ks, vs, carry)` over the compute blocks of P pages
-    covering logical pages [0, n_pages) of sequence `seq`, kv head `head` (T = P * BS).
+              pages_per_block, max_blocks, step, init, scales=None, first_page=0):
+    """Fold `step(tok0, k [T, D], v [T, D], ks, vs, carry)` over the compute blocks of P pages
+    covering logical pages [first_page, n_pages) of sequence `seq`, kv head `head` (T = P * BS;
+    tok0: the absolute position of the block's first key).
 
     Pages are copied one by one from HBM into a two-slot VMEM buffer, block i + 1 in flight
     while block i is computed; only pages < n_pages are copied. V rows of tokens >= limit
@@ -62,13 +66,13 @@ def page_loop(bt_ref, seq, head, k_hbm, v_hbm, k_buf, v_buf, sems, *, n_pages, l
     bs = k_hbm.shape[2]
     p = pages_per_block
     t = p * bs
-    n_blocks = (n_pages + p - 1) // p
+    n_blocks = (n_pages - first_page + p - 1) // p  # <= 0: nothing to walk
 
     def page_copies(i, slot):
         """(condition, k copy, v copy) for each page of compute block i."""
         out = []
         for j in range(p):
-            page = i * p + j
+            page = first_page + i * p + j
             ok = page < n_pages
             pid = bt_ref[seq * max_blocks + jnp.minimum(page, max_blocks - 1)]
             dst = pl.ds(j * bs, bs)
@@ -111,16 +115,17 @@ def page_loop(bt_ref, seq, head, k_hbm, v_hbm, k_buf, v_buf, sems, *, n_pages, l
         wait(i, slot)
         k = k_buf[slot]  # [T, D]
         v = v_buf[slot]
-        v_tok = i * t + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        tok0 = first_page * bs + i * t
+        v_tok = tok0 + lax.broadcasted_iota(jnp.int32, v.shape, 0)
         v = jnp.where(v_tok < limit, v, jnp.zeros_like(v))
         ks = vs = None
         if scales is not None:
             ks_buf, vs_buf = scales[2], scales[3]
             ks = ks_buf[slot].astype(jnp.float32).reshape(1, t)  # [P, BS] -> [1, T]
             vs = vs_buf[slot].astype(jnp.float32).reshape(1, t)
-            s_tok = i * t + lax.broadcasted_iota(jnp.int32, vs.shape, 1)
+            s_tok = tok0 + lax.broadcasted_iota(jnp.int32, vs.shape, 1)
             vs = jnp.where(s_tok < limit, vs, 0.0)
-        return step(i, k, v, ks, vs, carry)
+        return step(tok0, k, v, ks, vs, carry)
 
     return lax.fori_loop(0, n_blocks, body, init)
 
@@ -129,13 +134,14 @@ def dot_precision(dtype):
     return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def attend_step(q, scale, mask):
-    """Online-softmax step for the rows of q [R, D] against a [T, D] K/V block; `mask(i,
-    scores)` masks the [R, T] scores of block i. ks, vs: None, or the block's K / V scales
-    as [1, T] f32 rows (quantized pages: k and v hold the raw 8-bit values)."""
+def attend_step(q, scale, mask, soft_cap=None):
+    """Online-softmax step for the rows of q [R, D] against a [T, D] K/V block; `mask(tok0,
+    scores)` masks the [R, T] scores of the block whose first key sits at tok0. ks, vs: None,
+    or the block's K / V scales as [1, T] f32 rows (quantized pages: k and v hold the raw
+    8-bit values). soft_cap: the scaled (dequantized) scores are capped before masking."""
     prec = dot_precision(q.dtype)
 
-    def step(i, k, v, ks, vs, carry):
+    def step(tok0, k, v, ks, vs, carry):
         m, l, acc = carry
         k = k.astype(q.dtype)
         v = v.astype(q.dtype)
@@ -143,7 +149,7 @@ def attend_step(q, scale, mask):
                                  preferred_element_type=jnp.float32) * scale  # [R, T]
         if ks is not None:
             scores = scores * ks  # dequantize K: each key's column times its scale
-        scores = mask(i, scores)
+        scores = mask(tok0, common.soft_cap_scores(scores, soft_cap))
 
         def pv(pr):  # [R, T] f32 -> [R, D] f32
             if vs is not None:
@@ -187,36 +193,37 @@ def _kernel(bt_ref, lens_ref,  # SMEM: [S * MB], [S]
             *refs,  # [k_scales, v_scales: HBM [Hkv, NB, BS] f16 (quantized pages),]
             # o_ref: VMEM [R, D]; k_buf, v_buf: VMEM [2, T, D], T = P * BS; sems: DMA
             # semaphores [2 (k/v), 2 (slot)]; [ks_buf, vs_buf: VMEM [2, P, BS]; scale sems]
-            scale, pages_per_block, max_blocks, quantized):
+            scale, pages_per_block, max_blocks, quantized, sliding_window, soft_cap):
     o_ref, k_buf, v_buf, sems, scales = split_refs(refs, quantized)
     s, h = pl.program_id(0), pl.program_id(1)
     bs = k_hbm.shape[2]
-    t = pages_per_block * bs
     kv_len = lens_ref[s]
     n_pages = jnp.minimum((kv_len + bs - 1) // bs, max_blocks)
     q = q_ref[...]  # [R, D]
     rows, d = q.shape
 
-    def mask(i, scores):
-        tok = i * t + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        return common.mask_scores(scores, tok, kv_len)
+    def mask(tok0, scores):
+        tok = tok0 + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        return common.mask_scores(scores, tok, kv_len, sliding_window)
 
     m, l, acc = page_loop(bt_ref, s, h, k_hbm, v_hbm, k_buf, v_buf, sems, n_pages=n_pages,
                           limit=kv_len, pages_per_block=pages_per_block,
-                          max_blocks=max_blocks, step=attend_step(q, scale, mask),
-                          init=init_carry(rows, d), scales=scales)
+                          max_blocks=max_blocks, step=attend_step(q, scale, mask, soft_cap),
+                          init=init_carry(rows, d), scales=scales,
+                          first_page=common.window_first_page(kv_len - 1, bs, sliding_window))
     out, _ = common.finalize(m, l, acc, keepdims=True)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
 def paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, *, scale,
                                pages_per_compute_block=None, interpret=False,
-                               k_scales=None, v_scales=None):
+                               k_scales=None, v_scales=None, sliding_window=None, soft_cap=None):
     """q [S, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens [S] -> [S, H, D].
 
     Unvalidated kernel entry (see ops.paged_decode_attention). `interpret` may be a bool
     or a `pltpu.InterpretParams`. Quantized pages: int8 / float8_e4m3fn with k_scales /
     v_scales [Hkv, NB, BS] float16 (both or neither), dequantized per compute block.
+    sliding_window / soft_cap: static options as in reference.py.
     """
     s, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -228,7 +235,7 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, *, sc
     qf = common.fold_decode_q(q, hkv, rows, d, cdt)  # [S, Hkv, R, D]
     scale_ops, scale_specs, scale_scratch = scale_operands(k_scales, v_scales, p, bs)
     kernel = functools.partial(_kernel, scale=float(scale), pages_per_block=p, max_blocks=mb,
-                               quantized=bool(scale_ops))
+                               quantized=bool(scale_ops), sliding_window=sliding_window, soft_cap=soft_cap)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(s, hkv),

@@ -9,6 +9,8 @@ pages its causal horizon needs (keys [0, last position of its last valid query])
 (`pallas_tpu.page_loop`), with the online softmax of common.py. A tile with no valid query
 copies nothing and writes zeros. Quantized pages (k_scales / v_scales given): the scale rows
 are DMA'd beside the pages and applied per compute block exactly as in the decode kernel.
+sliding_window / soft_cap (static, reference.py): with a window a tile's walk starts at the
+first page holding a key inside the window of its earliest query.
 """
 from __future__ import annotations
 
@@ -40,32 +42,31 @@ def _kernel(bt_ref, kv_lens_ref, q_lens_ref,  # SMEM: [S * MB], [S], [S]
             *refs,  # [k_scales, v_scales: HBM [Hkv, NB, BS] f16 (quantized pages),]
             # o_ref: VMEM [R, D]; k_buf, v_buf: VMEM [2, T, D], T = P * BS; sems: DMA
             # semaphores [2 (k/v), 2 (slot)]; [ks_buf, vs_buf: VMEM [2, P, BS]; scale sems]
-            scale, group, block_q, pages_per_block, max_blocks, quantized):
+            scale, group, block_q, pages_per_block, max_blocks, quantized, sliding_window, soft_cap):
     o_ref, k_buf, v_buf, sems, scales = split_refs(refs, quantized)
     s, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bs = k_hbm.shape[2]
-    t = pages_per_block * bs
     first_pos, n_valid, end = common.prefill_tile(kv_lens_ref[s], q_lens_ref[s], tile, block_q)
     n_pages = jnp.minimum((end + bs - 1) // bs, max_blocks)
     q = q_ref[...]  # [R, D]
     rows, d = q.shape
 
-    def mask(i, scores):
+    def mask(tok0, scores):
         row = lax.broadcasted_iota(jnp.int32, scores.shape, 0)
-        tok = i * t + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        return common.causal_mask(scores, row, tok, first_pos, n_valid, group)
+        tok = tok0 + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        return common.causal_mask(scores, row, tok, first_pos, n_valid, group, sliding_window)
 
     m, l, acc = page_loop(bt_ref, s, h, k_hbm, v_hbm, k_buf, v_buf, sems, n_pages=n_pages,
                           limit=end, pages_per_block=pages_per_block, max_blocks=max_blocks,
-                          step=attend_step(q, scale, mask), init=init_carry(rows, d),
-                          scales=scales)
+                          step=attend_step(q, scale, mask, soft_cap), init=init_carry(rows, d),
+                          scales=scales, first_page=common.window_first_page(first_pos, bs, sliding_window))
     out, _ = common.finalize(m, l, acc, keepdims=True)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
 def paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale,
                                 block_q=None, pages_per_compute_block=None, interpret=False,
-                                k_scales=None, v_scales=None):
+                                k_scales=None, v_scales=None, sliding_window=None, soft_cap=None):
     """q [S, Q, H, D], pages [Hkv, NB, BS, D], block_tables [S, MB], kv_lens / q_lens [S]
     -> [S, Q, H, D] (semantics of `paged_attention_reference`).
 
@@ -73,6 +74,7 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
     rounded up so a tile fills whole sublane tiles; `interpret` may be a bool or a
     `pltpu.InterpretParams`. Quantized pages: int8 / float8_e4m3fn with k_scales / v_scales
     [Hkv, NB, BS] float16 (both or neither), dequantized per compute block.
+    sliding_window / soft_cap: static options as in reference.py.
     """
     s, nq, h, d = q.shape
     hkv, _, bs, _ = k_pages.shape
@@ -87,7 +89,8 @@ def paged_prefill_attention_tpu(q, k_pages, v_pages, block_tables, kv_lens, q_le
     qf = common.fold_prefill_q(q, hkv, n_tiles * tq, g, d, cdt)  # [S, Hkv, Qp * G, D]
     scale_ops, scale_specs, scale_scratch = scale_operands(k_scales, v_scales, p, bs)
     kernel = functools.partial(_kernel, scale=float(scale), group=g, block_q=tq,
-                               pages_per_block=p, max_blocks=mb, quantized=bool(scale_ops))
+                               pages_per_block=p, max_blocks=mb, quantized=bool(scale_ops),
+                               sliding_window=sliding_window, soft_cap=soft_cap)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(s, hkv, n_tiles),

@@ -7,8 +7,9 @@ walks a padded [S, chunk] slab of pages per step, so every sequence pays for the
 Here each sequence's pages are cut into units of U pages (U * BS tokens), the units of all
 sequences are laid end to end in one list, and a dynamic-trip-count loop takes W units a
 step: the work follows the tokens the sequences hold (plus < one unit of padding each), and
-the causal horizon of each sequence (its last valid query) ends its list. Shapes stay
-static; one compile per [S, Q] bucket.
+the causal horizon of each sequence (its last valid query) ends its list; with a sliding
+window its first page inside the window of its earliest query starts it (pages before are
+never read). Shapes stay static; one compile per [S, Q] bucket.
 
 Per step: the W units' K/V pages are row-gathered from the pools viewed as
 [Hkv * NB, BS * D] (indices computed once, before the loop, and clamped in range so the
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kv_quant import load
-from .reference import F32_DOTS, NEG_INF  # every dot here (scores, P @ V, one-hot merges) in f32
+from .reference import F32_DOTS, NEG_INF, cap_scores, first_window_page  # every dot here in f32
 
 MUL_FORM_MAX_ROWS = 8
 
@@ -79,15 +80,19 @@ def _unfold_rows(o, num_q):
 
 
 def _schedule(block_tables, row_pos, num_pages, page_size, unit_pages, units_per_step,
-              num_kv_heads):
+              num_kv_heads, first_page=None):
     """Flat unit list. Returns (page row ids [steps, W * Hkv * U], unit seq [steps, W],
-    unit first token [steps, W], number of loop steps)."""
+    unit first token [steps, W], number of loop steps). first_page [S]: each sequence's
+    units start there (None: at page 0)."""
     s, mb = block_tables.shape
     u, w = unit_pages, units_per_step
     tu = u * page_size
     mbu = -(-mb // u)  # units in a full table
     last = jnp.max(row_pos, axis=1)  # [S] last position any valid query sees (-1: none)
-    n_units = jnp.clip((last + tu) // tu, 0, mbu)  # [S]
+    if first_page is None:
+        n_units = jnp.clip((last + tu) // tu, 0, mbu)  # [S]
+    else:
+        n_units = jnp.clip((last + 1 - first_page * page_size + tu - 1) // tu, 0, mbu)
     ends = jnp.cumsum(n_units)
     total = ends[-1]
     cap = -(-(s * mbu) // w) * w
@@ -96,6 +101,8 @@ def _schedule(block_tables, row_pos, num_pages, page_size, unit_pages, units_per
     unit = j - (ends - n_units)[seq]  # unit index within its sequence
     live = j < total
     page = unit[:, None] * u + jnp.arange(u, dtype=jnp.int32)[None, :]  # [cap, U]
+    if first_page is not None:
+        page = page + first_page[seq][:, None]
     tables = jnp.pad(jnp.clip(block_tables, 0, num_pages - 1), ((0, 0), (0, mbu * u - mb)))
     phys = tables[seq[:, None], jnp.minimum(page, mbu * u - 1)]
     # Pages past a sequence's horizon (or its table) are never read: point them at page 0.
@@ -103,11 +110,13 @@ def _schedule(block_tables, row_pos, num_pages, page_size, unit_pages, units_per
     phys = jnp.where(used, phys, 0)
     heads = (jnp.arange(num_kv_heads, dtype=jnp.int32) * num_pages)[None, :, None]
     ids = (phys[:, None, :] + heads).reshape(cap // w, w * num_kv_heads * u)
-    first_tok = jnp.where(live, unit * tu, jnp.iinfo(jnp.int32).max // 2).reshape(-1, w)
+    tok0 = unit * tu if first_page is None else unit * tu + first_page[seq] * page_size
+    first_tok = jnp.where(live, tok0, jnp.iinfo(jnp.int32).max // 2).reshape(-1, w)
     return ids, seq.reshape(-1, w), first_tok, (total + w - 1) // w
 
 
 def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, scale,
+                           sliding_window=None, soft_cap=None,
                            pages_per_unit: int | None = None,
                            units_per_step: int | None = None):
     """Same result as `paged_attention_reference`; work follows each sequence's own length."""
@@ -127,7 +136,12 @@ def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
     qpos = jnp.where(jnp.arange(nq)[None, :] < q_lens[:, None], qpos, -1)  # -1: padding
     qpos = jnp.minimum(qpos, block_tables.shape[1] * bs - 1)  # keys exist only in the table
     row_pos = jnp.repeat(qpos, g, axis=1)  # [S, R] last key position each row sees
-    ids, seqs, first_tok, steps = _schedule(block_tables, row_pos, nb, bs, u, w, hkv)
+    first_page = None
+    if sliding_window is not None:  # first key position each row sees (padding rows see none anyway)
+        row_lo = jnp.repeat((kv_lens - q_lens)[:, None] + jnp.arange(nq, dtype=jnp.int32)[None, :]
+                            - (sliding_window - 1), g, axis=1)  # [S, R]
+        first_page = first_window_page(kv_lens, q_lens, bs, sliding_window)
+    ids, seqs, first_tok, steps = _schedule(block_tables, row_pos, nb, bs, u, w, hkv, first_page)
     # a page per row: [Hkv * NB, BS * D] (and [Hkv * NB, BS] scales), a unit of pages as [W, Hkv, TU, D]
     take = lambda ids: lambda pages: _take_rows(pages.reshape(hkv * nb, -1), ids).reshape(w, hkv, tu, -1)
     seq_ids = jnp.arange(s, dtype=jnp.int32)
@@ -144,10 +158,14 @@ def paged_attention_ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *
             else:  # K as the non-transposed dot operand
                 sc = jnp.einsum("wktd,wkrd->wktr", k, qu, precision=F32_DOTS)
             vis = tok[:, :, None] <= row_pos[sq][:, None, :]  # [W, TU, R]
+            if sliding_window is not None:
+                vis &= tok[:, :, None] >= row_lo[sq][:, None, :]
         else:  # scores [W, Hkv, R, TU]
             sc = jnp.einsum("wkrd,wktd->wkrt", qu, k, precision=F32_DOTS)
             vis = tok[:, None, :] <= row_pos[sq][:, :, None]  # [W, R, TU]
-        sc = jnp.where(vis[:, None], sc, NEG_INF)
+            if sliding_window is not None:
+                vis &= tok[:, None, :] >= row_lo[sq][:, :, None]
+        sc = jnp.where(vis[:, None], cap_scores(sc, soft_cap), NEG_INF)
         m_unit = jnp.max(sc, axis=t_axis)  # [W, Hkv, R]
         onehot = sq[None, :] == seq_ids[:, None]  # [S, W]
         m_step = jnp.max(jnp.where(onehot[:, :, None, None], m_unit[None], NEG_INF), axis=1)
