@@ -35,7 +35,8 @@ from typing import Any, Callable
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine.request_stream import EngineDeadError, QueueFullError, RequestStream, ShuttingDownError
 from pagedjax.lora.request import LoRARequest
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from pagedjax.pooling.params import PoolingParams
 from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,12 @@ class AsyncEngine:
         """Submit a request (with `lora_request`: run with that adapter); returns its stream.
         Raises ValueError (bad request), QueueFullError, ShuttingDownError or EngineDeadError."""
         return await self._add(("add", prompt, params, cache_salt, lora_request), request_id, params.n)
+
+    async def add_embed_request(self, request_id: str, prompt: str | list[int],
+                                params: PoolingParams | None = None) -> RequestStream:
+        """Submit an embedding request; its stream yields one EmbeddingRequestOutput (or, if
+        aborted, a finished RequestOutput with no outputs). Raises as add_request does."""
+        return await self._add(("add_embed", prompt, params), request_id, 1)
 
     async def add_beam_search(self, request_id: str, prompt: str | list[int],
                               params: BeamSearchParams) -> RequestStream:
@@ -251,13 +258,16 @@ class AsyncEngine:
                     stream.finish_reasons[o.index] = o.finish_reason
             if stream.first_token_time is None and any(stream.num_tokens.values()):
                 stream.first_token_time = now
-            if item.finished:
-                stream.finish_time = now
-                if self.metrics is not None:
-                    try:
-                        self.metrics.on_request_finished(stream)
-                    except Exception:  # metrics must never break serving
-                        logger.exception("metrics update failed")
+        elif isinstance(item, EmbeddingRequestOutput):  # done in one piece: its prompt is its work
+            stream.num_prompt_tokens = len(item.prompt_token_ids)
+            stream.finish_reasons[0] = "stop"
+        if isinstance(item, (RequestOutput, EmbeddingRequestOutput)) and item.finished:
+            stream.finish_time = now
+            if self.metrics is not None:
+                try:
+                    self.metrics.on_request_finished(stream)
+                except Exception:  # metrics must never break serving
+                    logger.exception("metrics update failed")
         stream.push(item)
 
     # ---- engine thread --------------------------------------------------------------------
@@ -349,6 +359,15 @@ class AsyncEngine:
                 return
             self._streams[stream.request_id] = stream
             _resolve(stream.loop, admitted, None)
+        elif kind == "add_embed":
+            _, stream, prompt, params, admitted = command
+            try:
+                self.engine.add_embed_request(stream.request_id, prompt, params)
+            except Exception as exc:
+                _resolve(stream.loop, admitted, exc)
+                return
+            self._streams[stream.request_id] = stream
+            _resolve(stream.loop, admitted, None)
         elif kind == "add_beam":
             _, stream, prompt, params, admitted = command
             try:
@@ -423,7 +442,7 @@ def _set_future(fut: asyncio.Future, exc: BaseException | None, result: Any = No
         fut.set_exception(exc)
 
 
-_ANSWERED = ("add", "add_beam", "call")  # commands whose last item is a future someone awaits
+_ANSWERED = ("add", "add_embed", "add_beam", "call")  # commands whose last item is a future someone awaits
 
 
 def _loop_of(command: tuple) -> asyncio.AbstractEventLoop:

@@ -24,11 +24,12 @@ from pagedjax.engine.request_stream import EngineDeadError
 from pagedjax.entrypoints.openai.errors import APIError, bad_request, from_status
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
-                                                  UnloadLoRAAdapterRequest)
+                                                  EmbeddingRequest, LoadLoRAAdapterRequest, ModelCard, ModelList,
+                                                  TokenizeRequest, UnloadLoRAAdapterRequest)
 from pagedjax.entrypoints.openai.serving_chat import ChatServing
 from pagedjax.entrypoints.openai.serving_common import ClientDisconnected
 from pagedjax.entrypoints.openai.serving_completion import CompletionServing
+from pagedjax.entrypoints.openai.serving_embedding import EmbeddingServing
 from pagedjax.entrypoints.openai.serving_tokenize import TokenizeServing
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     completions = CompletionServing(async_engine, name, tokenizer, cpu, send_timeout)
     chat = ChatServing(async_engine, name, tokenizer, cpu, send_timeout)
     tokenize = TokenizeServing(chat)
+    embeddings = EmbeddingServing(async_engine, name, tokenizer, cpu, send_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -187,6 +189,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def create_chat_completion(request: Request):
         return await generate(request, ChatCompletionRequest, chat)
+
+    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
+    async def create_embeddings(request: Request):
+        return await generate(request, EmbeddingRequest, embeddings)
 
     async def answer(request: Request, model: type[BaseModel], handler) -> Response:
         try:
@@ -287,7 +293,7 @@ def _openapi(app: FastAPI) -> dict:
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+        for model in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest,
                       LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))

@@ -267,6 +267,16 @@ class DetokenizeRequest(_Request):
     tokens: TokenIds
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings: a string, strings, token ids or lists of token ids."""
+
+    model: str | None = None
+    input: str | Annotated[list[str], Field(fail_fast=True)] | TokenIds | Annotated[list[TokenIds], Field(fail_fast=True)]
+    encoding_format: Literal["float", "base64"] | None = "float"  # base64: little-endian float32 bytes
+    dimensions: int | None = Field(None, le=MAX_INT32)  # the first `dimensions` values, renormalized
+    user: str | None = None  # ignored
+
+
 # ---- responses ------------------------------------------------------------------------
 
 
@@ -384,6 +394,24 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of the float32 values (little-endian)
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):
