@@ -78,6 +78,10 @@ class LeaderEngine:
         self.engine.add_beam_search(request_id, prompt, params)
         self._calls.append(("add_beam", request_id, prompt, params))
 
+    def add_embed_request(self, request_id, prompt, params=None) -> None:
+        self.engine.add_embed_request(request_id, prompt, params)
+        self._calls.append(("add_embed", request_id, prompt, params))
+
     def abort_request(self, request_id) -> None:
         self.engine.abort_request(request_id)
         self._calls.append(("abort", request_id))
@@ -111,6 +115,8 @@ def follow(engine) -> None:
                 engine.add_request(*call[1:])
             elif call[0] == "add_beam":
                 engine.add_beam_search(*call[1:])
+            elif call[0] == "add_embed":
+                engine.add_embed_request(*call[1:])
             else:
                 engine.abort_request(call[1])
         engine.step()
