@@ -72,7 +72,7 @@ class PagedKVCache:
                           sliding_window: int | None = None, soft_cap: float | None = None):
         """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D]);
         sliding_window, soft_cap: the layer's own (static; see pallas_kernels.paged_attention)."""
-        opts = _attention_options(sliding_window, soft_cap)
+        opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
 
         def attend(kv, layer, q, k, v, md):
             k_all, v_all, tables = _write(kv, layer, self.num_blocks, self.block_size, k, v, md)
@@ -116,7 +116,7 @@ class DenseKVCache:
     def update_and_attend(self, kv: KVCache, layer, q, k, v, md: AttentionMetadata, *, scale,
                           sliding_window: int | None = None, soft_cap: float | None = None):
         """Writes layer `layer`'s k/v [T, Hkv, D] and attends q [T, H, D] -> (new kv, out [T, H, D])."""
-        opts = _attention_options(sliding_window, soft_cap)
+        opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
 
         def attend(kv, layer, q, k, v, md):
             k_all, v_all, tables = _write(kv, layer, self.num_slots, self.max_model_len, k, v, md)
@@ -125,12 +125,6 @@ class DenseKVCache:
             return (k_all, v_all), out
 
         return per_device(rotated(attend, kv), self.mesh)(kv, layer, q, k, v, md)
-
-
-def _attention_options(sliding_window, soft_cap) -> dict:
-    """The kernels' keyword options, only those set."""
-    opts = {"sliding_window": sliding_window, "soft_cap": soft_cap}
-    return {k: v for k, v in opts.items() if v is not None}
 
 
 def rotated(attend, kv: KVCache):

@@ -120,8 +120,8 @@ def apply_rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]).astype(x.dtype)
 
 
-MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down", "experts_gate_up", "experts_down",
-                      "shared_gate_up", "shared_down"})  # stored in the model dtype
+MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down", "experts_gate_up",
+                      "experts_down"})  # stored in the model dtype
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
@@ -264,7 +264,13 @@ class DecoderLayer(nnx.Module):
         self.mlp_out_norm = place(arrays, "mlp_out_norm") if cfg.sandwich_norms else None
         self.attn = Attention(cfg, arrays, place, layout, cfg.window(index))
         act = ACTIVATIONS[cfg.hidden_act]
-        self.mlp = MoE(cfg, arrays, place, layout, act, moe_impl) if cfg.is_moe(index) else MLP(arrays, place, layout, act)
+        if cfg.is_moe(index):
+            shared = None
+            if "shared_gate_up" in arrays:  # Qwen2-MoE
+                shared = MLP({"w_gate_up": arrays["shared_gate_up"], "w_down": arrays["shared_down"]}, place, layout, act)
+            self.mlp = MoE(cfg, arrays, place, layout, act, moe_impl, shared)
+        else:
+            self.mlp = MLP(arrays, place, layout, act)
 
     def __call__(self, x, rope, kv, layer, md, cache, lora: LoRABatch | None = None):
         """rope: {"global": (cos, sin), "local": ...} (models.llama.rope_table_once)."""

@@ -136,10 +136,9 @@ EXPERTS = {"sorted": experts_sorted, "ragged": experts_ragged, "dense": experts_
 class MoE(nnx.Module):
     """Routed experts (+ Qwen2-MoE's gated shared expert). Parameters (models.loader names):
     router [X, E] f32; experts_gate_up [X, 2 I, E] (per expert gate | up, per tensor-parallel
-    shard when split); experts_down [X, E, I]; shared_gate_up [2 Is, E], shared_down [E, Is],
-    shared_gate [1, E] when the config has a shared expert."""
+    shard when split); experts_down [X, E, I]; shared_gate [1, E] beside `shared_expert`."""
 
-    def __init__(self, cfg, arrays: dict, place, layout, act, impl: str = "auto"):
+    def __init__(self, cfg, arrays: dict, place, layout, act, impl: str = "auto", shared_expert=None):
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_experts = cfg.num_experts
         self.act = act
@@ -147,9 +146,8 @@ class MoE(nnx.Module):
         self.router = place(arrays, "router")
         self.experts_gate_up = place(arrays, "experts_gate_up")
         self.experts_down = place(arrays, "experts_down")
-        shared = "shared_gate_up" in arrays
-        for name in ("shared_gate_up", "shared_down", "shared_gate"):
-            setattr(self, name, place(arrays, name) if shared else None)
+        self.shared_expert = shared_expert  # a dense MLP (models.llama.MLP), sharded like one
+        self.shared_gate = place(arrays, "shared_gate") if shared_expert is not None else None
         mesh = place.mesh
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.expert_parallel = layout.expert_parallel
@@ -161,9 +159,8 @@ class MoE(nnx.Module):
                                       "serve adapters on q/k/v/o only (lora_target_modules)")
         w_gu, w_d = self.experts_gate_up[...], self.experts_down[...]
         out = self._routed(x, w_gu, w_d)
-        if self.shared_gate_up is not None:  # sharded like a dense MLP (XLA sums the row-parallel down)
-            shared = _dot(gated(_dot(x, self.shared_gate_up[...]), self.act), self.shared_down[...])
-            out = out + jax.nn.sigmoid(_dot(x, self.shared_gate[...])) * shared
+        if self.shared_expert is not None:
+            out = out + jax.nn.sigmoid(_dot(x, self.shared_gate[...])) * self.shared_expert(x)
         return out
 
     def _routed(self, x, w_gu, w_d):

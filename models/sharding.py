@@ -100,8 +100,8 @@ def _regroup_qkv(w: np.ndarray, cfg, layout: TPLayout) -> np.ndarray:
     return np.concatenate([np.concatenate(g, axis=0) for g in groups], axis=0)
 
 
-_COLUMN = {"wqkv", "bqkv", "w_gate_up", "shared_gate_up"}  # output rows split
-_ROW = {"wo", "w_down", "shared_down"}  # input columns split
+_COLUMN = {"wqkv", "bqkv", "w_gate_up"}  # output rows split
+_ROW = {"wo", "w_down"}  # input columns split
 _VOCAB = {"embed", "lm_head"}
 _EXPERTS = {"experts_gate_up": 1, "experts_down": 2}  # [X, out, in]: the axis tensor parallelism splits
 
