@@ -74,6 +74,7 @@ class AsyncEngine:
         self._open_streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._thread: threading.Thread | None = None
         self.lora_enabled = getattr(engine, "lora", None) is not None  # the engine has enable_lora
+        self.embeddings_enabled = hasattr(engine, "add_embed_request")  # the engine computes embeddings
         self.loras: dict[str, LoRARequest] = {}  # the adapters the engine knows, by name (a snapshot)
         self._refresh_loras()
 

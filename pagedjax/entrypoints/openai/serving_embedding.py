@@ -27,6 +27,8 @@ class EmbeddingServing(ServingBase):
 
     async def create(self, req: EmbeddingRequest, request: Request):
         model = self.served_model_name
+        if not self.engine.embeddings_enabled:
+            raise bad_request("this server's engine does not compute embeddings")
         if self.lora_of(req.model) is not None:
             raise bad_request("embeddings with a LoRA adapter are not supported: use the base model", "model")
         hidden = getattr(getattr(self.engine.engine, "model_config", None), "hidden_size", None)
