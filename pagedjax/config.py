@@ -56,6 +56,10 @@ class EngineConfig:
                                                 "included (default: 2048)", int)
     enable_prefix_caching: bool = option(True, "share identical prompt prefixes (blocks by reference count)", bool,
                                          negative="--no-prefix-caching")
+    release_window_blocks: bool = option(True, "models whose every layer has a sliding window (Mistral, Mixtral): "
+                                         "a request's KV blocks go back to the pool once no query can see them "
+                                         "(paged cache; not with a draft model, which reads them)", bool,
+                                         negative="--keep-window-blocks")
     kv_cache: str = option("paged", "paged: fixed-size blocks in one pool; dense: one contiguous max_model_len slot "
                            "per request (block_size unused)", str, choices=KV_CACHE_KINDS)
     dtype: str = option("auto", "the model's matrices (activations stay float32); auto: bfloat16 where the hardware "

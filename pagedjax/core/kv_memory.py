@@ -79,6 +79,8 @@ def block_fill(pool, requests: Iterable) -> dict[int, int]:
     for req in requests:
         computed = req.num_computed_tokens
         for i, block in enumerate(req.block_ids):
+            if i < req.num_released_blocks:  # back in the pool (outside the sliding window)
+                continue
             rows = min(bs, max(0, computed - i * bs))
             if rows > fill.get(block, -1):
                 fill[block] = rows
@@ -116,7 +118,7 @@ def block_map(pool, requests: Iterable) -> list[dict]:
     requests = [r for r in requests if r.block_ids]
     owners: dict[int, list[str]] = {}
     for req in requests:
-        for block in req.block_ids:
+        for block in req.held_block_ids:
             owners.setdefault(block, []).append(req.request_id)
     fill = block_fill(pool, requests)
     cached = set(getattr(pool, "_hash_of", {}))

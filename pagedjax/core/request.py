@@ -31,6 +31,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # sliding-window models: leading entries of block_ids returned to the pool (outside every
+    # layer's window, see core/sched/window.py); their ids stay so block_ids[i] is logical block i
+    num_released_blocks: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # keys (hash_block) of its leading full blocks cached
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
@@ -66,6 +69,11 @@ class Request:
     def lora_key(self) -> str | None:
         """Its adapter's content fingerprint (part of its prefix-cache keys), None: no adapter."""
         return None if self.lora_adapter is None else self.lora_adapter.fingerprint
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks it holds a reference to (all of block_ids but the released ones)."""
+        return self.block_ids[self.num_released_blocks:]
 
     @property
     def prefill_only(self) -> bool:

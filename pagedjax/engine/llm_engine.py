@@ -23,6 +23,7 @@ from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.buckets import Buckets
 from pagedjax.core.request import PLACEHOLDER, Request
 from pagedjax.core.sched.scheduler import Scheduler
+from pagedjax.core.sched.window import window_release
 from pagedjax.engine import engine_stats
 from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_sizing import plan_kv
@@ -96,6 +97,9 @@ class LLMEngine:
                                     cfg.max_cpu_loras, self.schedulers, cfg.lora_target_modules)
             for sched in self.schedulers:
                 sched.lora = self.lora
+        if cfg.release_window_blocks and not dense and draft is None:  # a draft model reads every block
+            for sched in self.schedulers:
+                sched.window = window_release(self.model_config.layer_windows, plan.block_size)
         self.compile_ahead = CompileAhead(self.runner, self.buckets, cfg.max_model_len)
         self.spec = make_spec_decode(cfg, self.buckets, plan, draft)  # None: no speculative decoding
         for sched in self.schedulers:

@@ -110,3 +110,36 @@ def test_shared_prefix_is_computed_once_and_tokens_do_not_change(tiny_checkpoint
     again = _greedy(llm, prompts)
     assert first == again == expected("gemma3_text")[10:]
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def _held_blocks_per_step(llm, prompts, n):
+    """Steps the engine by hand: each request's tokens, and the pool's held blocks after every step."""
+    engine, pool = llm.engine, llm.engine.pool
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, ignore_eos=True))
+    held, outs = [], {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        held.append(pool.num_blocks - pool.num_free)
+        pool.check_invariants()
+    assert pool.num_free == pool.num_blocks  # every reference returned once
+    return [outs[str(i)] for i in range(len(prompts))], held
+
+
+def test_blocks_outside_every_window_go_back_to_the_pool_and_tokens_do_not_change(tiny_checkpoints):
+    """Mixtral slides in every layer (window 16, blocks of 8): a request holds at most 3 blocks
+    once its prompt is in, instead of all of them; Gemma's global layers keep every block."""
+    path, model = tiny_checkpoints("mixtral")
+    prompts, n = _prompts(seed=3, lengths=[50, 9]), 100
+    want = [hf_greedy(model, p, n) for p in prompts]
+    got, held = _held_blocks_per_step(LLM(str(path), **ENGINE), prompts, n)
+    assert got == want
+    kept, held_kept = _held_blocks_per_step(LLM(str(path), **ENGINE, release_window_blocks=False), prompts, n)
+    assert kept == want
+    assert max(held_kept) == -(-(50 + n) // 8) + -(-(9 + n) // 8)  # 19 + 14: the whole of both
+    assert max(held) <= 7 + 2  # the first step's prompt blocks; then at most 3 per request
+    assert max(held[3:]) <= 2 * 3
+    gemma = LLM(str(tiny_checkpoints("gemma2")[0]), **ENGINE)
+    assert gemma.engine.scheduler.window is None

@@ -39,6 +39,8 @@ class Scheduler:
         # LoRA's LoRAManager (None when off): admit(req) -> whether req's adapter has a device slot now
         # (no I/O: the request carries its adapter's host copy)
         self.lora = None
+        # sliding-window models: a WindowBlockRelease that frees blocks no query reads again (None: off)
+        self.window = None
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
@@ -83,8 +85,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.prefix.release(req)
-        self.pool.free(req.block_ids[::-1])
-        req.block_ids = []
+        self.pool.free(req.held_block_ids[::-1])
+        req.block_ids, req.num_released_blocks = [], 0
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
 
@@ -93,6 +95,9 @@ class Scheduler:
         """hold: running requests to leave out of this step (async scheduling: they finish
         once the step in flight is read back)."""
         self._copies = []
+        if self.window is not None:
+            for req in self.running:
+                self.window.release(req, self.pool)
         budget = min(self.token_budget, self.buckets.max_num_batched_tokens)
         decode = self._schedule_decode(budget, hold)
         reqs, starts, q_lens = self._schedule_prefill(budget - len(decode))
@@ -173,7 +178,7 @@ class Scheduler:
                 continue
             for b in hits:
                 self.pool.take(b)
-            req.block_ids = hits + self.pool.allocate(need)
+            req.block_ids, req.num_released_blocks = hits + self.pool.allocate(need), 0
             req.block_hashes = req.block_hashes[:len(hits)]
             req.num_computed_tokens = start
             req.num_shared_kv_tokens = 0
@@ -245,9 +250,9 @@ class Scheduler:
     def fork(self, parent: Request, child: Request, shared_kv_tokens: int | None = None) -> None:
         """Starts `child` as a copy of `parent` that shares all its blocks (reference counts
         up); whichever writes a shared block first copies it then."""
-        for b in parent.block_ids:
+        for b in parent.held_block_ids:
             self.pool.take(b)
-        child.block_ids = list(parent.block_ids)
+        child.block_ids, child.num_released_blocks = list(parent.block_ids), parent.num_released_blocks
         child.dp_rank = parent.dp_rank  # its blocks live in the parent's pool
         child.lora_slot = parent.lora_slot
         child.block_hashes = list(parent.block_hashes)
@@ -262,8 +267,8 @@ class Scheduler:
         """Frees a running request's blocks; it is recomputed later (its prefix may be cached)."""
         self.running.remove(req)
         self.prefix.release(req)
-        self.pool.free(req.block_ids[::-1])
-        req.block_ids = []
+        self.pool.free(req.held_block_ids[::-1])
+        req.block_ids, req.num_released_blocks = [], 0
         req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.num_shared_kv_tokens = 0
