@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,13 @@ _MOE = {  # family -> (the block's HF prefix, router, expert gate / up / down)
 
 
 def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
-    """HF-named tensors -> the nested arrays CausalLM takes (weights stay [out, in])."""
+    """HF-named tensors -> the nested arrays CausalLM takes (weights stay [out, in]).
+    A base-model checkpoint (saved as Qwen3Model etc., as embedding models such as
+    Qwen3-Embedding are: no "model." prefix, no lm_head) loads too; with no lm_head the output
+    layer is the embedding matrix (generation then means little; embeddings are exact)."""
+    if "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:
+        tensors = {k if k.startswith("lm_head.") else "model." + k: v for k, v in tensors.items()}
+
     def take(name: str) -> np.ndarray:
         if name not in tensors:
             raise KeyError(f"checkpoint is missing tensor {name!r}")
@@ -68,8 +75,12 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
             layer.update(_experts(cfg, i, take))
         layers.append(_fuse(layer))
     arrays = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight"), "layers": layers}
-    if not cfg.tie_word_embeddings:
-        arrays["lm_head"] = take("lm_head.weight")
+    if not cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        arrays["lm_head"] = tensors["lm_head.weight"]
+    elif not cfg.tie_word_embeddings:
+        logging.getLogger(__name__).warning("the checkpoint has no lm_head.weight (a base model): the output "
+                                            "layer is the embedding matrix; embeddings are exact, generation is not")
+        arrays["lm_head"] = arrays["embed"]
     if cfg.family in GEMMA:  # Gemma's RMSNorm scales by 1 + weight: stored here as that sum
         arrays["norm"] = arrays["norm"] + 1.0
         for layer in layers:

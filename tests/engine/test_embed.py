@@ -242,3 +242,24 @@ def test_engine_reads_the_checkpoint_pooling(qwen3, hf_base, tmp_path):
     assert cosine(out.embedding, hf_embedding(hf_base, prompt, "mean")) > 0.9999
     with pytest.raises(ValueError, match="pooling_type"):
         LLM(str(path), pooling_type="cls", warmup=False)
+
+
+def test_a_base_model_checkpoint_without_lm_head_embeds(qwen3, hf_base, tmp_path):
+    """Embedding checkpoints are often saved as the base model (Qwen3Model): tensor names
+    without "model.", no lm_head."""
+    from safetensors.numpy import load_file
+
+    path = tmp_path / "base"
+    hf_base.save_pretrained(path)
+    for f in qwen3.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(cfg))
+    names = set(load_file(path / "model.safetensors"))
+    assert "embed_tokens.weight" in names and not any(n.startswith(("model.", "lm_head")) for n in names)
+    llm = LLM(str(path), **ENGINE, warmup=False)
+    prompt = _prompts(15, (23,))[0]
+    (out,) = llm.embed([prompt], use_tqdm=False)
+    assert cosine(out.embedding, hf_embedding(hf_base, prompt, "last")) > 0.9999
