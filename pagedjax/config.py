@@ -132,10 +132,8 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        if self.lora_target_modules is None:
-            self.lora_target_modules = list(LORA_TARGETS)
-        unknown = sorted(set(self.lora_target_modules) - set(LORA_TARGETS))
-        if unknown or not self.lora_target_modules:
+        unknown = sorted(set(self.lora_target_modules or LORA_TARGETS) - set(LORA_TARGETS))
+        if unknown or self.lora_target_modules == []:
             raise ValueError(f"lora_target_modules must name some of {', '.join(LORA_TARGETS)}, got "
                              f"{self.lora_target_modules!r}")
         if self.pooling_type not in (None, "last", "mean"):
@@ -152,6 +150,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds what the model supports ({limit})")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        if self.lora_target_modules is None:  # a mixture-of-experts model's MLPs take no adapters
+            self.lora_target_modules = [t for t in LORA_TARGETS if not (model_cfg.num_experts and t in mlp)]
+        elif model_cfg.num_experts and self.enable_lora and set(mlp) & set(self.lora_target_modules):
+            raise ValueError(f"LoRA on the MLP of a mixture-of-experts model is not supported; lora_target_modules "
+                             f"may name q_proj, k_proj, v_proj, o_proj, got {self.lora_target_modules!r}")
 
     def default_num_blocks(self, bytes_per_block: int, weight_bytes: int, block_size: int | None = None,
                            reserved_bytes: int = 0) -> int:

@@ -143,3 +143,13 @@ def test_blocks_outside_every_window_go_back_to_the_pool_and_tokens_do_not_chang
     assert max(held[3:]) <= 2 * 3
     gemma = LLM(str(tiny_checkpoints("gemma2")[0]), **ENGINE)
     assert gemma.engine.scheduler.window is None
+
+
+def test_lora_on_a_mixture_of_experts_model_targets_attention_only(tiny_checkpoints):
+    path = str(tiny_checkpoints("qwen3_moe")[0])
+    llm = LLM(path, enable_lora=True, warmup=False, **ENGINE)
+    assert llm.engine.config.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    got = _greedy(llm, _prompts(lengths=[20]), 4)  # the step with adapter slots runs
+    assert len(got[0]) == 4
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(path, enable_lora=True, lora_target_modules=["q_proj", "gate_proj"], warmup=False, **ENGINE)
