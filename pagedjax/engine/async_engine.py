@@ -353,32 +353,14 @@ class AsyncEngine:
             if lora_request is not None and lora_request not in self._engine_loras():  # unloaded since the lookup
                 _resolve(stream.loop, admitted, ValueError(f"the LoRA adapter {lora_request.lora_name!r} is not loaded"))
                 return
-            try:
-                self.engine.add_request(stream.request_id, prompt, params, **extra)
-            except Exception as exc:
-                _resolve(stream.loop, admitted, exc)
-                return
-            self._streams[stream.request_id] = stream
-            _resolve(stream.loop, admitted, None)
+            self._admit(stream, admitted, lambda: self.engine.add_request(stream.request_id, prompt, params, **extra))
         elif kind == "add_embed":
             _, stream, prompt, params, admitted = command
-            try:
-                self.engine.add_embed_request(stream.request_id, prompt, params)
-            except Exception as exc:
-                _resolve(stream.loop, admitted, exc)
-                return
-            self._streams[stream.request_id] = stream
-            _resolve(stream.loop, admitted, None)
+            self._admit(stream, admitted, lambda: self.engine.add_embed_request(stream.request_id, prompt, params))
         elif kind == "add_beam":
             _, stream, prompt, params, admitted = command
-            try:
-                self.engine.add_beam_search(stream.request_id, prompt, params)
-            except Exception as exc:
-                _resolve(stream.loop, admitted, exc)
-                return
-            self._streams[stream.request_id] = stream
-            self._beam_searches.add(stream.request_id)
-            _resolve(stream.loop, admitted, None)
+            if self._admit(stream, admitted, lambda: self.engine.add_beam_search(stream.request_id, prompt, params)):
+                self._beam_searches.add(stream.request_id)
         elif kind == "abort":
             rid = command[1]
             self.engine.abort_request(rid)
@@ -396,6 +378,18 @@ class AsyncEngine:
                 _resolve(loop, done, exc)
             else:
                 _resolve(loop, done, None, result)
+
+    def _admit(self, stream, admitted, add) -> bool:
+        """Runs add() (the engine's add_* call for stream's request) and answers the caller's
+        `admitted` future: its error, or None once the stream is registered."""
+        try:
+            add()
+        except Exception as exc:
+            _resolve(stream.loop, admitted, exc)
+            return False
+        self._streams[stream.request_id] = stream
+        _resolve(stream.loop, admitted, None)
+        return True
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         if self._beam_searches and self.engine.finished_beam_searches:

@@ -46,26 +46,11 @@ class LLM:
         (engine started with enable_lora=True): one LoRARequest for every prompt, or a list
         with one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                                 f"pass one, or exactly one per prompt")
-        loras = _per_prompt(lora_request, len(prompts))
+        params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
+                             SamplingParams, "SamplingParams")
+        loras = _per_prompt(lora_request, len(prompts), LoRARequest, "lora requests")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added = []
-        try:
-            for rid, prompt, p, lora in zip(ids, prompts, params, loras):
-                self.engine.add_request(rid, prompt, p, lora_request=lora)
-                added.append(rid)
-        except Exception:
-            for rid in added:  # leave nothing queued behind a failed call
-                self.engine.abort_request(rid)
-            raise
+        self._add_all(ids, lambda i: self.engine.add_request(ids[i], prompts[i], params[i], lora_request=loras[i]))
         return self._run(ids, use_tqdm)
 
     def embed(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
@@ -82,24 +67,24 @@ class LLM:
             params = [PoolingParams(normalize=normalize, dimensions=dimensions)] * len(prompts)
         elif not normalize or dimensions is not None:
             raise ValueError("give either pooling_params or normalize/dimensions, not both")
-        elif isinstance(pooling_params, PoolingParams):
-            params = [pooling_params] * len(prompts)
         else:
-            params = list(pooling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts; pass one, "
-                                 f"or exactly one per prompt")
+            params = _per_prompt(pooling_params, len(prompts), PoolingParams, "PoolingParams")
         ids = [f"embd-{next(self._ids)}" for _ in prompts]
+        self._add_all(ids, lambda i: self.engine.add_embed_request(ids[i], prompts[i], params[i]))
+        return self._run(ids, use_tqdm, "embedding")
+
+    def _add_all(self, ids: list[str], add) -> None:
+        """add(i) (adds request ids[i] to the engine) for every i, or for none: an error aborts
+        those already added (nothing is left queued behind a failed call)."""
         added = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_embed_request(rid, prompt, p)
+            for i, rid in enumerate(ids):
+                add(i)
                 added.append(rid)
         except Exception:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm, "embedding")
 
     def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generating") -> list:
         from tqdm import tqdm
@@ -148,13 +133,15 @@ class LLM:
         return self.engine.stats()
 
 
-def _per_prompt(lora_request, n: int) -> list:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * n
-    loras = list(lora_request)
-    if len(loras) != n:
-        raise ValueError(f"got {len(loras)} lora requests for {n} prompts; pass one, or exactly one per prompt")
-    return loras
+def _per_prompt(value, n: int, one: type, what: str) -> list:
+    """One value for each of n prompts: `value` itself n times (a `one` or None), or a
+    sequence of exactly n."""
+    if value is None or isinstance(value, one):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} prompts; pass one, or exactly one per prompt")
+    return values
 
 
 def _as_prompt_list(prompts) -> list:

@@ -1,26 +1,18 @@
 """Tensor and data parallelism on 8 virtual CPU devices (tp_cases.py runs them in a subprocess)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from virtual_devices import run_cases
 
 CASES = Path(__file__).with_name("tp_cases.py")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, str(CASES), str(out)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, f"tp_cases.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(line[len("RESULT "):])
+    return run_cases(CASES, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])

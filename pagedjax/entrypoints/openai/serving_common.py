@@ -255,19 +255,28 @@ class ServingBase:
                               f"{limit} this server queues at once; split it")
         if request is not None and await request.is_disconnected():
             raise ClientDisconnected()  # it waited for the worker thread and left: do not start it
+
+        def add(i: int):
+            ids, p = prompts[i], params[i]
+            if isinstance(p, BeamSearchParams):
+                return self.engine.add_beam_search(f"{request_id}-{i}", ids, p)
+            return self.engine.add_request(f"{request_id}-{i}", ids, p, cache_salt, lora_request)
+
+        return await self.add_streams(len(prompts), add)
+
+    async def add_streams(self, n: int, add: Callable, param: str | None = None) -> list[RequestStream]:
+        """The streams of `await add(i)` for i < n (each adds one engine request), or none: on
+        any failure the ones already added are aborted and the error answered (400: the
+        request is invalid; 429: the queue is full; 503: shutting down or the engine died)."""
         streams: list[RequestStream] = []
         try:
-            for i, (ids, p) in enumerate(zip(prompts, params)):
-                if isinstance(p, BeamSearchParams):
-                    streams.append(await self.engine.add_beam_search(f"{request_id}-{i}", ids, p))
-                else:
-                    streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, p, cache_salt,
-                                                                 lora_request))
+            for i in range(n):
+                streams.append(await add(i))
         except BaseException as exc:
             for s in streams:
                 s.abort()
             if isinstance(exc, ValueError):
-                raise bad_request(str(exc)) from None
+                raise bad_request(str(exc), param) from None
             if isinstance(exc, QueueFullError):
                 raise APIError(str(exc), 429, "rate_limit_error", None, "queue_full",
                                headers={"Retry-After": "1"}) from None

@@ -11,7 +11,6 @@ import uuid
 import numpy as np
 from fastapi import Request
 
-from pagedjax.engine.request_stream import EngineDeadError, QueueFullError, ShuttingDownError
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
 from pagedjax.entrypoints.openai.protocol import EmbeddingRequest
 from pagedjax.entrypoints.openai.serving_common import ServingBase
@@ -70,22 +69,8 @@ class EmbeddingServing(ServingBase):
         if len(prompts) > self.engine.max_pending_requests:
             raise bad_request(f"this request has {len(prompts)} inputs, more than the {self.engine.max_pending_requests}"
                               f" this server queues at once; split it", "input")
-        streams = []
-        try:
-            for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_embed_request(f"{request_id}-{i}", ids, params))
-        except BaseException as exc:
-            for s in streams:
-                s.abort()
-            if isinstance(exc, ValueError):
-                raise bad_request(str(exc), "input") from None
-            if isinstance(exc, QueueFullError):
-                raise APIError(str(exc), 429, "rate_limit_error", None, "queue_full",
-                               headers={"Retry-After": "1"}) from None
-            if isinstance(exc, (ShuttingDownError, EngineDeadError)):
-                raise APIError(str(exc), 503, "service_unavailable_error", None, "unavailable") from None
-            raise
-        return streams
+        return await self.add_streams(
+            len(prompts), lambda i: self.engine.add_embed_request(f"{request_id}-{i}", prompts[i], params), "input")
 
     @staticmethod
     def response_body(prompts: list[list[int]], finals: list, encoding_format: str | None, model: str) -> bytes:
