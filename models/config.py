@@ -224,7 +224,7 @@ def _gemma(cfg: dict, family: str, num_layers: int, head_dim: int) -> dict:
         final_soft_cap=cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
         embed_scale=float(cfg["hidden_size"]) ** 0.5,
         sandwich_norms=True,
-        hidden_act="gelu_pytorch_tanh",
+        hidden_act=act,  # "gelu": exact (erf), as transformers' ACT2FN
     )
 
 
@@ -242,7 +242,7 @@ def _moe(cfg: dict, family: str, num_layers: int) -> dict:
     dense = set(cfg.get("mlp_only_layers") or [])
     return dict(num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "qwen3_moe")),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # transformers' default
                 moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
                 shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
                 if family == "qwen2_moe" else 0)

@@ -122,7 +122,8 @@ def apply_rope(x, cos, sin):
 
 MATRICES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down", "experts_gate_up",
                       "experts_down"})  # stored in the model dtype
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 def soft_cap(x, cap):

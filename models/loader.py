@@ -82,10 +82,11 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
                                             "layer is the embedding matrix; embeddings are exact, generation is not")
         arrays["lm_head"] = arrays["embed"]
     if cfg.family in GEMMA:  # Gemma's RMSNorm scales by 1 + weight: stored here as that sum
-        arrays["norm"] = arrays["norm"] + 1.0
+        # summed in float32 (a bf16 checkpoint's 1 + w would round to bf16; transformers adds in float32)
+        arrays["norm"] = np.asarray(arrays["norm"], np.float32) + 1.0
         for layer in layers:
             for name in [n for n in layer if n.endswith("norm")]:
-                layer[name] = layer[name] + 1.0
+                layer[name] = np.asarray(layer[name], np.float32) + 1.0
     return arrays
 
 

@@ -115,8 +115,9 @@ def experts_ragged(x, ids, weights, w_gate_up, w_down, act):
     def grouped(lhs, w):
         return jax.lax.ragged_dot_general(lhs.astype(w.dtype), w, counts, dims, preferred_element_type=jnp.float32)
 
-    out = grouped(gated(grouped(x[token], w_gate_up), act), w_down)  # [N, E]; rows past sum(counts): 0
-    scaled = out * jnp.where(mine[order], weights.reshape(n)[order], 0.0)[:, None]
+    out = grouped(gated(grouped(x[token], w_gate_up), act), w_down)  # [N, E]
+    # rows past sum(counts) (other devices' experts) are not defined by ragged_dot: selected away, not scaled by 0
+    scaled = jnp.where(mine[order][:, None], out * weights.reshape(n)[order][:, None], 0.0)
     return jnp.zeros(x.shape, jnp.float32).at[token].add(scaled)
 
 

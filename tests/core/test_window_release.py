@@ -1,6 +1,7 @@
 """Sliding-window block release with no model: which blocks go back, and that every
 reference is still returned exactly once (finish, preemption, forks)."""
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.buckets import Buckets
@@ -124,3 +125,54 @@ def test_released_prompt_blocks_stay_cached_for_the_next_request_with_that_promp
 def test_only_models_whose_every_layer_slides_release_blocks(windows, expected):
     w = window_release(windows, 4)
     assert (w and w.window) == expected
+
+
+def test_a_preempted_request_takes_back_only_the_cached_blocks_inside_its_window():
+    s = make(window=8, block_size=4, num_blocks=32)
+    s.add(req("a", 10, max_tokens=100))
+    for _ in range(30):  # 40 tokens, 39 computed: blocks 0..8 full and cached, most released
+        run_step(s)
+    a = s.running[0]
+    s._preempt(a)
+    run_step(s)  # readmitted at 36: 9 blocks hit the cache; the 7 wholly below 36 - 7 are not taken
+    assert a.num_released_blocks == s.window.num_outside(36) == 7
+    assert len(a.held_block_ids) == 3  # blocks 7, 8 (hits) and 9 (positions 36..39)
+    assert held(s) == len(a.held_block_ids)
+    while s.has_unfinished():
+        run_step(s)
+        s.pool.check_invariants()
+    assert s.pool.num_free == s.pool.num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 40), st.integers(0, 2)), min_size=1, max_size=6),
+       st.lists(st.sampled_from(["step", "preempt", "abort", "fork"]), min_size=1, max_size=80),
+       st.integers(2, 12))
+def test_random_traffic_returns_every_reference_once(reqs, ops, window):
+    """Requests with shared prefixes, preemptions, aborts and forks under window release: the
+    pool's counts stay consistent, a running request holds every block its window can see,
+    and everything is free at the end."""
+    s = make(window=window, block_size=4, num_blocks=64, max_num_seqs=4)
+    for i, (n, max_tokens, prefix) in enumerate(reqs):
+        s.add(req(str(i), n, max_tokens=max_tokens, start=100 * prefix))
+    forks = 0
+    for op in ops:
+        if op == "preempt" and s.running:
+            s._preempt(s.running[-1])
+        elif op == "abort" and s.running:
+            s.finish(s.running[0], "abort")
+        elif op == "fork" and s.running and s.num_seats_taken() < 4:
+            parent = s.running[0]
+            if parent.num_tokens - parent.num_computed_tokens == 1:
+                forks += 1
+                s.fork(parent, Request(f"f{forks}", parent.prompt_token_ids, parent.params, seed=0))
+        elif s.has_unfinished():
+            run_step(s)
+        s.pool.check_invariants()
+        for r in s.running:
+            lo = max(0, r.num_computed_tokens - window + 1) // 4  # the block of the first visible key
+            assert all(s.pool.ref_counts[b] > 0 for b in r.block_ids[lo:])
+    for r in list(s.running) + list(s.waiting):
+        s.finish(r, "abort")
+    s.pool.check_invariants()
+    assert s.pool.num_free == s.pool.num_blocks

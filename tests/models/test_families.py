@@ -153,3 +153,19 @@ def test_lora_on_a_mixture_of_experts_model_targets_attention_only(tiny_checkpoi
     assert len(got[0]) == 4
     with pytest.raises(ValueError, match="mixture-of-experts"):
         LLM(path, enable_lora=True, lora_target_modules=["q_proj", "gate_proj"], warmup=False, **ENGINE)
+
+
+def test_gemma_norms_of_a_bf16_checkpoint_are_one_plus_w_in_float32(tiny_checkpoints):
+    """transformers computes Gemma's RMSNorm scale as 1 + w.float(): summed in bf16 it would
+    round (1 + 0.0123 -> 1.0156)."""
+    import ml_dtypes
+
+    from models.loader import convert_hf_tensors
+    from models.weights import load_tensors_from_dir
+
+    path = tiny_checkpoints("gemma2")[0]
+    tensors = {k: np.asarray(v, ml_dtypes.bfloat16) for k, v in load_tensors_from_dir(path).items()}
+    tensors["model.norm.weight"][:] = np.float32(0.0123)
+    arrays = convert_hf_tensors(load_config(path), tensors)
+    assert arrays["norm"].dtype == np.float32
+    np.testing.assert_allclose(arrays["norm"], 1 + np.float32(ml_dtypes.bfloat16(0.0123)), rtol=0, atol=1e-7)

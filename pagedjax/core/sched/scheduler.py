@@ -166,9 +166,11 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 start = len(hits) * self.block_size
+                # sliding-window models: hits no query of req will read are not taken (stay released)
+                skip = min(self.window.num_outside(start), len(hits)) if self.window is not None else 0
                 q = min(req.num_tokens - start, budget)
                 need = cdiv(start + q, self.block_size) - len(hits)
-                fits = need <= self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits)
+                fits = need <= self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits[skip:])
                 fits = fits and (self.lora is None or self.lora.admit(req))
             if not fits:
                 if req.status is RequestStatus.PREEMPTED or req.num_passed >= max_seqs:
@@ -176,9 +178,9 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 passed.append(req)
                 continue
-            for b in hits:
+            for b in hits[skip:]:
                 self.pool.take(b)
-            req.block_ids, req.num_released_blocks = hits + self.pool.allocate(need), 0
+            req.block_ids, req.num_released_blocks = hits + self.pool.allocate(need), skip
             req.block_hashes = req.block_hashes[:len(hits)]
             req.num_computed_tokens = start
             req.num_shared_kv_tokens = 0
