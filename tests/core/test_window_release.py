@@ -176,3 +176,18 @@ def test_random_traffic_returns_every_reference_once(reqs, ops, window):
         s.finish(r, "abort")
     s.pool.check_invariants()
     assert s.pool.num_free == s.pool.num_blocks
+
+
+def test_a_request_longer_than_the_pool_runs_when_its_window_fits():
+    s = make(window=8, block_size=4, num_blocks=24)  # a step takes up to 64 tokens: 8 + 64 -> 19 blocks
+    assert s.window.max_blocks_held(64) == 19
+    s.add(req("long", 40, max_tokens=80))  # 120 tokens: 30 blocks, more than the pool
+    peak = 0
+    while s.has_unfinished():
+        run_step(s)
+        peak = max(peak, held(s))
+        s.pool.check_invariants()
+    assert peak <= 19 and s.pool.num_free == s.pool.num_blocks
+    s.window = None  # without the release the same request is refused up front
+    with pytest.raises(ValueError, match="pool has only 24"):
+        s.add(req("long", 40, max_tokens=80))

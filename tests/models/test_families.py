@@ -141,6 +141,10 @@ def test_blocks_outside_every_window_go_back_to_the_pool_and_tokens_do_not_chang
     assert max(held_kept) == -(-(50 + n) // 8) + -(-(9 + n) // 8)  # 19 + 14: the whole of both
     assert max(held) <= 7 + 2  # the first step's prompt blocks; then at most 3 per request
     assert max(held[3:]) <= 2 * 3
+    # a pool smaller than either request (12 blocks < 19): the window (16) and a step (64) need 11
+    small = LLM(str(path), **dict(ENGINE, num_blocks=12))
+    assert small.engine.scheduler.window.max_blocks_held(64) == 11
+    assert _held_blocks_per_step(small, prompts, n)[0] == want
     gemma = LLM(str(tiny_checkpoints("gemma2")[0]), **ENGINE)
     assert gemma.engine.scheduler.window is None
 

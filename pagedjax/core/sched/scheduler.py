@@ -62,6 +62,8 @@ class Scheduler:
             raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}, "
                              f"which leaves no room to generate (prompt must be shorter than max_model_len)")
         need = cdiv(min(n + req.params.max_tokens, self.max_model_len), self.block_size)
+        if self.window is not None:  # blocks outside the window go back as it moves on
+            need = min(need, self.window.max_blocks_held(self.buckets.max_num_batched_tokens))
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs up to {need} KV blocks but the pool has only {self.pool.num_blocks}; "
                              f"raise num_blocks or lower max_tokens")

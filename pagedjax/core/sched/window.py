@@ -32,6 +32,12 @@ class WindowBlockRelease:
         """Leading blocks of a request with this many computed tokens that no query reads again."""
         return max(0, (num_computed_tokens - self.window + 1) // self.block_size)
 
+    def max_blocks_held(self, step_tokens: int) -> int:
+        """The most blocks a request holds at once when a step gives it at most `step_tokens`
+        tokens: those its window sees and those the step writes (at most
+        cdiv(window + step_tokens, block_size) + 1, whatever the request's length)."""
+        return -(-(self.window + step_tokens) // self.block_size) + 1
+
     def release(self, req: Request, pool: BlockPool) -> None:
         """Returns req's blocks that are wholly outside the window of its next query."""
         end = min(self.num_outside(req.num_computed_tokens), len(req.block_ids))
