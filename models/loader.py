@@ -139,7 +139,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         return default_model_dir()
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (pass a local Hugging Face model dir, or None for the default model)")
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (pass a local Hugging Face model dir; leave the model out for the embedded default model)")
     return path
 
 
@@ -165,6 +165,9 @@ def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
     check_tp(cfg, 1 if mesh is None else mesh.shape[MODEL_AXIS], expert_parallel)  # before reading any weights
+    if moe_impl != "auto" and not cfg.num_experts:
+        raise ValueError(f"moe_impl={moe_impl!r} applies to mixture-of-experts models; this one has no experts "
+                         f"(leave it at 'auto')")
     tensors = load_tensors_from_dir(model_dir)
     stored = compressed_tensors.scheme(json.loads((model_dir / "config.json").read_text()))
     if stored is not None:  # a pre-quantized checkpoint: served in its own 8-bit scheme unless told otherwise

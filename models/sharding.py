@@ -13,6 +13,8 @@ heads read (done once here, at load time, never per step).
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,9 @@ def check_tp(cfg, tp: int, expert_parallel: bool = False) -> None:
     if expert_parallel and not cfg.num_experts:
         raise ValueError("expert_parallel needs a mixture-of-experts model; this one has no experts")
     if tp == 1:
+        if expert_parallel:
+            logging.getLogger(__name__).warning("expert_parallel with tensor_parallel_size=1: every expert stays "
+                                                "on the one device (set tensor_parallel_size to split them)")
         return
     ok = [d for d in range(1, cfg.num_heads + 1) if _splits(cfg, d, expert_parallel)]
     if not _splits(cfg, tp, expert_parallel):

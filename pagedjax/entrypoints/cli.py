@@ -210,6 +210,9 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = LLMEngine(args.model, stream_text=True, **kwargs)
         for i, prompt in enumerate(prompts):
             if args.chat:
+                if not getattr(engine.tokenizer, "chat_template", None):
+                    raise ValueError("this model has no chat template; leave out --chat (the prompt is then "
+                                     "given to the model as it is)")
                 prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                               add_generation_prompt=True, tokenize=False)
             engine.add_request(str(i), prompt, params)

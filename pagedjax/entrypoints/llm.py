@@ -97,7 +97,8 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
-                        bar.set_postfix(tokens=self.engine.num_generated_tokens)
+                        if desc == "generating":  # embeddings generate no tokens
+                            bar.set_postfix(tokens=self.engine.num_generated_tokens)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

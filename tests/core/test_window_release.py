@@ -189,5 +189,11 @@ def test_a_request_longer_than_the_pool_runs_when_its_window_fits():
         s.pool.check_invariants()
     assert peak <= 19 and s.pool.num_free == s.pool.num_blocks
     s.window = None  # without the release the same request is refused up front
-    with pytest.raises(ValueError, match="pool has only 24"):
+    with pytest.raises(ValueError, match="pool has only 24; raise num_blocks or lower max_tokens"):
         s.add(req("long", 40, max_tokens=80))
+
+
+def test_the_pool_error_of_a_sliding_window_model_names_the_step_budget():
+    s = make(window=8, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="lower max_num_batched_tokens"):
+        s.add(req("a", 10, max_tokens=100))

@@ -312,3 +312,17 @@ def test_serve_banner_of_a_real_engine(tiny_model_dir):
                           quantization="int8", kv_cache_dtype="int8")
     assert "(dtype float32, weights int8, KV int8, KV pool 256 tokens" in engine_banner(quantized)
     assert engine_banner(engine, "tiny").startswith(f"{tiny_model_dir.name} as 'tiny' (dtype float32")
+
+
+def test_generate_chat_without_a_chat_template_says_so(tiny_model_dir, capsys):
+    assert main(["generate", "Hello", "--chat", "--model", str(tiny_model_dir), "--max-tokens", "2",
+                 *TINY_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "this model has no chat template; leave out --chat" in err and "Traceback" not in err
+
+
+def test_moe_options_on_a_model_without_experts_are_refused(tiny_model_dir, capsys):
+    assert main(["generate", "Hello", "--moe-impl", "dense", "--model", str(tiny_model_dir), *TINY_FLAGS]) == 2
+    assert "--moe-impl='dense' applies to mixture-of-experts models" in capsys.readouterr().err
+    assert main(["generate", "Hello", "-ep", "--model", str(tiny_model_dir), *TINY_FLAGS]) == 2
+    assert "--expert-parallel needs a mixture-of-experts model" in capsys.readouterr().err

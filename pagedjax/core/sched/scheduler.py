@@ -65,8 +65,10 @@ class Scheduler:
         if self.window is not None:  # blocks outside the window go back as it moves on
             need = min(need, self.window.max_blocks_held(self.buckets.max_num_batched_tokens))
         if need > self.pool.num_blocks:
+            fix = ("raise num_blocks or lower max_num_batched_tokens (a sliding-window request holds its window "
+                   "and one step's tokens)" if self.window is not None else "raise num_blocks or lower max_tokens")
             raise ValueError(f"request needs up to {need} KV blocks but the pool has only {self.pool.num_blocks}; "
-                             f"raise num_blocks or lower max_tokens")
+                             f"{fix}")
         if 1 + req.reserved_seats > self.buckets.max_num_seqs:
             raise ValueError(f"request needs {1 + req.reserved_seats} sequences at once (n or beam width) "
                              f"but max_num_seqs is {self.buckets.max_num_seqs}")
