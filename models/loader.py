@@ -75,12 +75,13 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
             layer.update(_experts(cfg, i, take))
         layers.append(_fuse(layer))
     arrays = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight"), "layers": layers}
-    if not cfg.tie_word_embeddings and "lm_head.weight" in tensors:
-        arrays["lm_head"] = tensors["lm_head.weight"]
-    elif not cfg.tie_word_embeddings:
-        logging.getLogger(__name__).warning("the checkpoint has no lm_head.weight (a base model): the output "
-                                            "layer is the embedding matrix; embeddings are exact, generation is not")
-        arrays["lm_head"] = arrays["embed"]
+    if not cfg.tie_word_embeddings:
+        arrays["lm_head"] = tensors.get("lm_head.weight")
+        if arrays["lm_head"] is None:
+            logging.getLogger(__name__).warning("the checkpoint has no lm_head.weight (a base model): the output "
+                                                "layer is the embedding matrix; embeddings are exact, generation "
+                                                "is not")
+            arrays["lm_head"] = arrays["embed"]
     if cfg.family in GEMMA:  # Gemma's RMSNorm scales by 1 + weight: stored here as that sum
         # summed in float32 (a bf16 checkpoint's 1 + w would round to bf16; transformers adds in float32)
         arrays["norm"] = np.asarray(arrays["norm"], np.float32) + 1.0

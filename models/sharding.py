@@ -14,7 +14,6 @@ heads read (done once here, at load time, never per step).
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 
 import numpy as np

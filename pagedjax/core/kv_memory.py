@@ -78,9 +78,7 @@ def block_fill(pool, requests: Iterable) -> dict[int, int]:
     fill: dict[int, int] = {}
     for req in requests:
         computed = req.num_computed_tokens
-        for i, block in enumerate(req.block_ids):
-            if i < req.num_released_blocks:  # back in the pool (outside the sliding window)
-                continue
+        for i, block in enumerate(req.held_block_ids, start=req.num_released_blocks):
             rows = min(bs, max(0, computed - i * bs))
             if rows > fill.get(block, -1):
                 fill[block] = rows

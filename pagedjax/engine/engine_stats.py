@@ -73,6 +73,8 @@ def rank_stats(pool: BlockPool, s: Scheduler) -> dict:
         "num_preemptions": s.num_preemptions,
         "num_forks": s.num_forks,
         "num_cow_copies": pool.num_cow_copies,
+        # sliding-window models: blocks returned before their request ended (core/sched/window.py)
+        "kv_blocks_released_outside_window": s.window.num_released if s.window is not None else 0,
     }
 
 

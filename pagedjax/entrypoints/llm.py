@@ -71,7 +71,7 @@ class LLM:
             params = _per_prompt(pooling_params, len(prompts), PoolingParams, "PoolingParams")
         ids = [f"embd-{next(self._ids)}" for _ in prompts]
         self._add_all(ids, lambda i: self.engine.add_embed_request(ids[i], prompts[i], params[i]))
-        return self._run(ids, use_tqdm, "embedding")
+        return self._run(ids, use_tqdm, "embedding", count_tokens=False)
 
     def _add_all(self, ids: list[str], add) -> None:
         """add(i) (adds request ids[i] to the engine) for every i, or for none: an error aborts
@@ -86,7 +86,7 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
 
-    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generating") -> list:
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generating", count_tokens: bool = True) -> list:
         from tqdm import tqdm
 
         done: dict = {}
@@ -97,7 +97,7 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
-                        if desc == "generating":  # embeddings generate no tokens
+                        if count_tokens:  # embeddings generate none
                             bar.set_postfix(tokens=self.engine.num_generated_tokens)
         except BaseException:
             for rid in ids:

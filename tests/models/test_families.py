@@ -134,10 +134,13 @@ def test_blocks_outside_every_window_go_back_to_the_pool_and_tokens_do_not_chang
     path, model = tiny_checkpoints("mixtral")
     prompts, n = _prompts(seed=3, lengths=[50, 9]), 100
     want = [hf_greedy(model, p, n) for p in prompts]
-    got, held = _held_blocks_per_step(LLM(str(path), **ENGINE), prompts, n)
+    llm = LLM(str(path), **ENGINE)
+    got, held = _held_blocks_per_step(llm, prompts, n)
     assert got == want
-    kept, held_kept = _held_blocks_per_step(LLM(str(path), **ENGINE, release_window_blocks=False), prompts, n)
-    assert kept == want
+    assert llm.stats()["kv_blocks_released_outside_window"] > 0
+    keep = LLM(str(path), **ENGINE, release_window_blocks=False)
+    kept, held_kept = _held_blocks_per_step(keep, prompts, n)
+    assert kept == want and keep.stats()["kv_blocks_released_outside_window"] == 0
     assert max(held_kept) == -(-(50 + n) // 8) + -(-(9 + n) // 8)  # 19 + 14: the whole of both
     assert max(held) <= 7 + 2  # the first step's prompt blocks; then at most 3 per request
     assert max(held[3:]) <= 2 * 3

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.request import Request
+from pagedjax.core.sched.scheduler import cdiv
 
 
 class WindowBlockRelease:
@@ -36,7 +37,7 @@ class WindowBlockRelease:
         """The most blocks a request holds at once when a step gives it at most `step_tokens`
         tokens: those its window sees and those the step writes (at most
         cdiv(window + step_tokens, block_size) + 1, whatever the request's length)."""
-        return -(-(self.window + step_tokens) // self.block_size) + 1
+        return cdiv(self.window + step_tokens, self.block_size) + 1
 
     def release(self, req: Request, pool: BlockPool) -> None:
         """Returns req's blocks that are wholly outside the window of its next query."""
