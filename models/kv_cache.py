@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from models.sharding import DATA_AXIS, MODEL_AXIS
-from pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_packed_attention
-from pallas_kernels.paged_attention import cpu_native, kv_quant
-from pallas_kernels.paged_attention.kv_quant import QuantizedPages
-from pallas_kernels.paged_attention.ops import packed_paged_attention, write_kv
+from pagedjax.models.sharding import DATA_AXIS, MODEL_AXIS
+from pagedjax.pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_packed_attention
+from pagedjax.pallas_kernels.paged_attention import cpu_native, kv_quant
+from pagedjax.pallas_kernels.paged_attention.kv_quant import QuantizedPages
+from pagedjax.pallas_kernels.paged_attention.ops import packed_paged_attention, write_kv
 
 
 @jax.tree_util.register_dataclass

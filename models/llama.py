@@ -23,14 +23,14 @@ from flax import nnx
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import dtypes
-from models.config import ModelConfig
-from models.kv_cache import AttentionMetadata, KVCache
-from models.lora import LoRABatch
-from models.moe import MoE
-from models.quantization import QUANTIZED, quantize_weight
-from models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
-from pallas_kernels import cpu_matmul
+from pagedjax.models import dtypes
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.kv_cache import AttentionMetadata, KVCache
+from pagedjax.models.lora import LoRABatch
+from pagedjax.models.moe import MoE
+from pagedjax.models.quantization import QUANTIZED, quantize_weight
+from pagedjax.models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
+from pagedjax.pallas_kernels import cpu_matmul
 
 
 def rms_norm(x, weight, eps):

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from models import compressed_tensors
-from models.config import GEMMA, ModelConfig, load_config
-from models.dtypes import resolve_dtype, resolve_kv_cache_dtype  # noqa: F401  (re-exported)
-from models.llama import CausalLM
-from models.quantization import check_quantization
-from models.sharding import MODEL_AXIS, check_tp
+from pagedjax.models import compressed_tensors
+from pagedjax.models.config import GEMMA, ModelConfig, load_config
+from pagedjax.models.dtypes import resolve_dtype, resolve_kv_cache_dtype  # noqa: F401  (re-exported)
+from pagedjax.models.llama import CausalLM
+from pagedjax.models.quantization import check_quantization
+from pagedjax.models.sharding import MODEL_AXIS, check_tp
 
 _LAYER_NAMES = {  # our name -> HF suffix under model.layers.{i}.
     "wq": "self_attn.q_proj.weight",
@@ -135,7 +135,7 @@ def load_tokenizer(model_dir: str | Path):
 def resolve_model_dir(model: str | Path | None) -> Path:
     """None -> the embedded default model (converted and cached on first use)."""
     if model is None:
-        from models.default_model import default_model_dir
+        from pagedjax.models.default_model import default_model_dir
 
         return default_model_dir()
     path = Path(model).expanduser()
@@ -160,7 +160,7 @@ def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers
     quantization: None, "int8" or "fp8": the matrices quantized as they load (models.quantization);
     None on a compressed-tensors checkpoint: its own scheme (models.compressed_tensors).
     expert_parallel, moe_impl: a mixture-of-experts model's layout and expert matmuls (models.moe)."""
-    from models.weights import load_tensors_from_dir
+    from pagedjax.models.weights import load_tensors_from_dir
 
     check_quantization(quantization)
     model_dir = resolve_model_dir(model)

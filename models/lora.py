@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models.config import ModelConfig
-from models.sharding import MODEL_AXIS, TPLayout
+from pagedjax.models.config import ModelConfig
+from pagedjax.models.sharding import MODEL_AXIS, TPLayout
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MODULE = {t: ("self_attn." if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.") + t for t in TARGETS}

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.sharding import DATA_AXIS, MODEL_AXIS
+from pagedjax.models.sharding import DATA_AXIS, MODEL_AXIS
 
 IMPLS = ("auto", "sorted", "ragged", "dense")
 

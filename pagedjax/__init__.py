@@ -1,4 +1,12 @@
 """pagedjax: a JAX/Pallas LLM inference engine with a paged KV cache."""
+from pathlib import Path as _Path
+
+# The model and kernel packages live in the folders models/ and pallas_kernels/ beside this one
+# and install as pagedjax.models and pagedjax.pallas_kernels (pyproject's package-dir). Run from
+# a source checkout without installing (PYTHONPATH=.), they are found here.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "models").exists() and (_checkout / "models" / "llama.py").is_file():
+    __path__.append(str(_checkout))  # noqa: F821  (the package's own __path__)
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.dtypes import DTYPES, KV_CACHE_DTYPES, check_dtype, check_kv_cache_dtype
-from models.lora import TARGETS as LORA_TARGETS
-from models.quantization import QUANTIZATIONS, check_quantization
+from pagedjax.models.dtypes import DTYPES, KV_CACHE_DTYPES, check_dtype, check_kv_cache_dtype
+from pagedjax.models.lora import TARGETS as LORA_TARGETS
+from pagedjax.models.quantization import QUANTIZATIONS, check_quantization
 
 from pagedjax.spec_decode.config import SpeculativeConfig
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import packed
-from pallas_kernels.paged_attention.kv_quant import load
-from pallas_kernels.paged_attention.ops import GPU_BACKENDS
-from pallas_kernels.paged_attention.cpu_native import (native_supported, packed_attention_native,
+from pagedjax.pallas_kernels.paged_attention import packed
+from pagedjax.pallas_kernels.paged_attention.kv_quant import load
+from pagedjax.pallas_kernels.paged_attention.ops import GPU_BACKENDS
+from pagedjax.pallas_kernels.paged_attention.cpu_native import (native_supported, packed_attention_native,
                                                        paged_attention_native)
-from pallas_kernels.paged_attention.reference import (F32_DOTS, NEG_INF, _fold_gqa, cap_scores, key_visible,
+from pagedjax.pallas_kernels.paged_attention.reference import (F32_DOTS, NEG_INF, _fold_gqa, cap_scores, key_visible,
                                                       online_softmax_update, query_positions, run_online_softmax)
 
 DEFAULT_CHUNK_TOKENS = 128

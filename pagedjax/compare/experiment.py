@@ -68,11 +68,11 @@ class Workload:
 
 def kv_bytes_per_token(model: str | None, dtype: str = "auto") -> int:
     """KV bytes one token takes in every layer (K and V), read from the model's config."""
-    from models.config import load_config
-    from models.loader import resolve_dtype, resolve_kv_cache_dtype
+    from pagedjax.models.config import load_config
+    from pagedjax.models.loader import resolve_dtype, resolve_kv_cache_dtype
 
     if model is None:
-        from models.default_model import default_model_dir
+        from pagedjax.models.default_model import default_model_dir
 
         model = default_model_dir(progress=False)
     cfg = load_config(model)

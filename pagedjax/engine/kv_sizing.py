@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from models.kv_cache import kv_bytes_per_token
-from models.loader import resolve_kv_cache_dtype
+from pagedjax.models.kv_cache import kv_bytes_per_token
+from pagedjax.models.loader import resolve_kv_cache_dtype
 from pagedjax.config import EngineConfig
 from pagedjax.parallel.mesh import bytes_per_device
 

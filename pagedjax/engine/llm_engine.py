@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.kv_cache import DenseKVCache, PagedKVCache
-from models.loader import load_model
+from pagedjax.models.kv_cache import DenseKVCache, PagedKVCache
+from pagedjax.models.loader import load_model
 from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
 from pagedjax.core.block_pool import BlockPool

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
-from models.lora import LoRAAdapter, load_peft_adapter, slot_arrays
+from pagedjax.models.lora import LoRAAdapter, load_peft_adapter, slot_arrays
 from pagedjax.lora.request import LoRARequest
 
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.sharding import DATA_AXIS, MODEL_AXIS, check_tp
+from pagedjax.models.sharding import DATA_AXIS, MODEL_AXIS, check_tp
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, model_cfg=None) -> Mesh:

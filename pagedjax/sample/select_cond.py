@@ -15,7 +15,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.ops import GPU_BACKENDS  # where a conditional makes the host wait
+from pagedjax.pallas_kernels.paged_attention.ops import GPU_BACKENDS  # where a conditional makes the host wait
 
 _forced: bool | None = None  # tests: select (True) or branch (False) whatever the backend
 

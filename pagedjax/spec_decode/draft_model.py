@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.dtypes import resolve_kv_cache_dtype
-from models.kv_cache import AttentionMetadata, PagedKVCache, init_kv_cache, kv_bytes_per_token
-from models.loader import load_model
+from pagedjax.models.dtypes import resolve_kv_cache_dtype
+from pagedjax.models.kv_cache import AttentionMetadata, PagedKVCache, init_kv_cache, kv_bytes_per_token
+from pagedjax.models.loader import load_model
 from pagedjax.core.buckets import Buckets
 from pagedjax.sample.sampler import argmax
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from models.kv_cache import AttentionMetadata
+from pagedjax.models.kv_cache import AttentionMetadata
 from pagedjax.core.buckets import Buckets
 from pagedjax.core.sched.output import SchedulerOutput
 from pagedjax.sample import prompt_logprobs

@@ -19,9 +19,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import lora as lora_lib
-from models.kv_cache import copy_blocks_sharded, init_kv_cache
-from models.sharding import DATA_AXIS, MODEL_AXIS
+from pagedjax.models import lora as lora_lib
+from pagedjax.models.kv_cache import copy_blocks_sharded, init_kv_cache
+from pagedjax.models.sharding import DATA_AXIS, MODEL_AXIS
 from pagedjax.core.buckets import Buckets
 from pagedjax.parallel.distributed import to_host
 from pagedjax.parallel.mesh import make_mesh, replicated

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native_build
+from pagedjax.pallas_kernels import native_build
 
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _TARGET, _SYMBOL = "pagedjax_matmul_bf16", "MatmulBF16"

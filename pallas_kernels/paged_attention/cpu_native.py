@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native_build
-from pallas_kernels.paged_attention import kv_quant
+from pagedjax.pallas_kernels import native_build
+from pagedjax.pallas_kernels.paged_attention import kv_quant
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGETS = {"float32": ("pagedjax_paged_attention_f32", "PagedAttentionF32"),  # page dtype -> (target, symbol)

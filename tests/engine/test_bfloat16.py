@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.loader import load_model
+from pagedjax.models.loader import load_model
 from pagedjax import LLM, SamplingParams
 from tiny_models import FAMILIES
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lora_adapters import make_adapter, peft_model
-from models.lora import lora_delta, stack_shape
+from pagedjax.models.lora import lora_delta, stack_shape
 from pagedjax import LLM, LoRARequest, SamplingParams
 from tiny_models import hf_greedy
 

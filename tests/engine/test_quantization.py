@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.kv_cache import kv_bytes_per_token
-from models.quantization import dequantize_weight, quantize_weight
+from pagedjax.models.kv_cache import kv_bytes_per_token
+from pagedjax.models.quantization import dequantize_weight, quantize_weight
 from pagedjax import LLM, SamplingParams
-from pallas_kernels.paged_attention import kv_quant
-from pallas_kernels.paged_attention.ops import packed_paged_attention
-from pallas_kernels.paged_attention.packed import packed_attention_reference
+from pagedjax.pallas_kernels.paged_attention import kv_quant
+from pagedjax.pallas_kernels.paged_attention.ops import packed_paged_attention
+from pagedjax.pallas_kernels.paged_attention.packed import packed_attention_reference
 
 ENGINE = dict(max_num_seqs=8, max_model_len=128, block_size=8, num_blocks=96, warmup=False, dtype="float32")
 MAX_NEW = 8
@@ -185,7 +185,7 @@ def test_compressed_tensors_checkpoint(tiny_checkpoints, tmp_path):
     from safetensors.numpy import save_file
 
     path = tiny_checkpoints("llama")[0]
-    from models.weights import load_tensors_from_dir
+    from pagedjax.models.weights import load_tensors_from_dir
 
     tensors = {}
     for name, w in load_tensors_from_dir(path).items():

@@ -11,7 +11,7 @@ def test_default_model_matches_transformers_gguf(default_model_path, default_tok
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    from models.default_model import default_gguf_path
+    from pagedjax.models.default_model import default_gguf_path
 
     gguf = default_gguf_path(progress=False)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()

@@ -2,8 +2,8 @@
 import jax.numpy as jnp
 import pytest
 
-from models import dtypes
-from models.dtypes import AUTO_DTYPE_ENV, auto_dtype, has_fast_bf16, resolve_dtype, resolve_kv_cache_dtype
+from pagedjax.models import dtypes
+from pagedjax.models.dtypes import AUTO_DTYPE_ENV, auto_dtype, has_fast_bf16, resolve_dtype, resolve_kv_cache_dtype
 
 
 @pytest.fixture

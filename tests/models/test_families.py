@@ -7,7 +7,7 @@ prompts than sequence slots (requests join and leave mid-run).
 import numpy as np
 import pytest
 
-from models.config import load_config
+from pagedjax.models.config import load_config
 from pagedjax import LLM, SamplingParams
 from tiny_models import MORE_FAMILIES, WINDOW, hf_greedy
 
@@ -167,8 +167,8 @@ def test_gemma_norms_of_a_bf16_checkpoint_are_one_plus_w_in_float32(tiny_checkpo
     round (1 + 0.0123 -> 1.0156)."""
     import ml_dtypes
 
-    from models.loader import convert_hf_tensors
-    from models.weights import load_tensors_from_dir
+    from pagedjax.models.loader import convert_hf_tensors
+    from pagedjax.models.weights import load_tensors_from_dir
 
     path = tiny_checkpoints("gemma2")[0]
     tensors = {k: np.asarray(v, ml_dtypes.bfloat16) for k, v in load_tensors_from_dir(path).items()}

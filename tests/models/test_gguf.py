@@ -17,10 +17,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models import default_model as dm
-from models.gguf_loader import load_gguf
-from models.orbax_cache import MARKER, is_complete, load_tensors, mark_complete, save_tensors
-from models.weights import load_tensors_from_dir
+from pagedjax.models import default_model as dm
+from pagedjax.models.gguf_loader import load_gguf
+from pagedjax.models.orbax_cache import MARKER, is_complete, load_tensors, mark_complete, save_tensors
+from pagedjax.models.weights import load_tensors_from_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,13 +67,22 @@ def hf_gguf_tokenizer(gguf_path):
 # (a) tokenizer ------------------------------------------------------------------------------
 
 
-def test_tokenizer_matches_transformers_gguf_tokenizer(checkpoint, hf_gguf_tokenizer, model_dir):
+def test_tokenizer_matches_transformers_gguf_tokenizer(checkpoint, hf_gguf_tokenizer, model_dir, gguf_path):
     from transformers import PreTrainedTokenizerFast
 
     ours, ref = checkpoint.tokenizer, hf_gguf_tokenizer
     saved = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template"):
+    for name in ("bos_token", "unk_token", "chat_template"):
         assert getattr(ours, name) == getattr(ref, name) == getattr(saved, name), name
+    # EOS and padding against the GGUF's own ids: transformers 5.12 (the newest that installs
+    # beside google-tunix, which pins safetensors<0.8) reads both as the BOS token
+    import gguf
+
+    fields = gguf.GGUFReader(str(gguf_path)).fields
+    for name in ("eos_token", "pad_token"):
+        assert getattr(ours, name) == getattr(saved, name), name
+    field = fields["tokenizer.ggml.eos_token_id"]
+    assert ours.eos_token_id == int(field.parts[field.data[0]][0])
     assert (ours.bos_token, ours.eos_token) == ("<|im_start|>", "<|im_end|>")
     texts = TEXTS + [ref.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in MESSAGES]
     for text in texts:
@@ -102,7 +111,7 @@ def test_special_tokens_come_from_the_file_ids(gguf_path, monkeypatch):
     ChatML file; seen on the GPU machine's image): the ids in the file win."""
     import gguf
 
-    from models import gguf_loader
+    from pagedjax.models import gguf_loader
 
     mapping, convert = gguf_loader._transformers_gguf_tokenizer_api()
 
@@ -121,7 +130,7 @@ def test_tokenizer_converter_found_where_older_transformers_keep_it(monkeypatch)
     integrations.gguf.gguf_tokenizer_mapping. Either is used; neither is a clear ImportError."""
     import types
 
-    from models import gguf_loader
+    from pagedjax.models import gguf_loader
 
     mapping, convert = gguf_loader._transformers_gguf_tokenizer_api()
     monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", types.ModuleType("new"))
@@ -177,11 +186,19 @@ def test_model_dir_holds_the_gguf_tensors(checkpoint, model_dir):
 
 
 def test_runtime_path_does_not_import_torch(model_dir, gguf_path):
+    # as on a machine without torch (transformers 5.12 imports it with its tokenizers when installed)
     code = (
-        "import sys, gguf\n"
-        "from models.default_model import default_model_dir\n"
-        "from models.gguf_loader import build_gguf_tokenizer, read_gguf_config\n"
-        "from models.weights import load_tensors_from_dir\n"
+        "import importlib.util, sys\n"
+        "find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: None if n.split('.')[0] == 'torch' else find(n, *a)\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, n, path=None, target=None):\n"
+        "        if n.split('.')[0] == 'torch': raise ModuleNotFoundError(n)\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "import gguf\n"
+        "from pagedjax.models.default_model import default_model_dir\n"
+        "from pagedjax.models.gguf_loader import build_gguf_tokenizer, read_gguf_config\n"
+        "from pagedjax.models.weights import load_tensors_from_dir\n"
         "from transformers import PreTrainedTokenizerFast\n"
         "reader = gguf.GGUFReader(sys.argv[1])\n"
         "read_gguf_config(reader); build_gguf_tokenizer(reader)\n"
@@ -255,7 +272,7 @@ def test_load_tensors_from_dir_safetensors(tmp_path):
 
 
 def test_default_model_dir_builds_once(tmp_path, monkeypatch, gguf_path, checkpoint):
-    import models.gguf_loader
+    import pagedjax.models.gguf_loader
 
     monkeypatch.setattr(dm, "_installed_gguf", lambda: None)
     (tmp_path / "gguf").mkdir()
@@ -272,7 +289,7 @@ def test_default_model_dir_builds_once(tmp_path, monkeypatch, gguf_path, checkpo
     def no_rebuild(*args, **kwargs):
         raise AssertionError("rebuilt a complete cache")
 
-    monkeypatch.setattr(models.gguf_loader, "load_gguf", no_rebuild)
+    monkeypatch.setattr(pagedjax.models.gguf_loader, "load_gguf", no_rebuild)
     start = time.perf_counter()
     assert dm.default_model_dir(progress=False) == built
     assert time.perf_counter() - start < 0.5
@@ -280,7 +297,7 @@ def test_default_model_dir_builds_once(tmp_path, monkeypatch, gguf_path, checkpo
     # A cache without its marker (an interrupted build) is rebuilt.
     (built / MARKER).unlink()
     calls = []
-    monkeypatch.setattr(models.gguf_loader, "load_gguf", lambda *a, **k: calls.append(a) or checkpoint)
+    monkeypatch.setattr(pagedjax.models.gguf_loader, "load_gguf", lambda *a, **k: calls.append(a) or checkpoint)
     assert dm.default_model_dir(progress=False) == built and len(calls) == 1 and is_complete(built)
 
 

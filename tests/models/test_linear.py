@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import llama
+from pagedjax.models import llama
 
 
 def bf16_reference(x, w):

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.kv_cache import copy_blocks, copy_blocks_at_once
-from pallas_kernels import dense_attention, paged_attention, paged_attention_reference, write_kv
-from pallas_kernels.paged_attention import (cpu_native, packed_attention_reference, packed_paged_attention,
+from pagedjax.models.kv_cache import copy_blocks, copy_blocks_at_once
+from pagedjax.pallas_kernels import dense_attention, paged_attention, paged_attention_reference, write_kv
+from pagedjax.pallas_kernels.paged_attention import (cpu_native, packed_attention_reference, packed_paged_attention,
                                             reference)
 from test_packed_attention import DEVICE_PALLAS, STEPS, make_step
 from test_paged_attention import BF16, F32, _exact_f32_matmuls, assert_close  # noqa: F401

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_matmul
-from pallas_kernels.cpu_matmul import matmul_avx2, matmul_bf16, matmul_bf16_reference
+from pagedjax.pallas_kernels import cpu_matmul
+from pagedjax.pallas_kernels.cpu_matmul import matmul_avx2, matmul_bf16, matmul_bf16_reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="native CPU kernels")
 needs_avx512 = pytest.mark.skipif(not cpu_matmul.available(),

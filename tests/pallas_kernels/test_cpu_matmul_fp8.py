@@ -8,8 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_matmul
-from pallas_kernels.cpu_matmul import matmul_fp8, matmul_fp8_reference, matmul_quantized
+from pagedjax.pallas_kernels import cpu_matmul
+from pagedjax.pallas_kernels.cpu_matmul import matmul_fp8, matmul_fp8_reference, matmul_quantized
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu", reason="native CPU kernels"),

@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_matmul
-from pallas_kernels.cpu_matmul import (matmul_fp8, matmul_int8, matmul_int8_bf16, matmul_int8_bf16_reference,
+from pagedjax.pallas_kernels import cpu_matmul
+from pagedjax.pallas_kernels.cpu_matmul import (matmul_fp8, matmul_int8, matmul_int8_bf16, matmul_int8_bf16_reference,
                                        matmul_int8_reference, matmul_quantized)
 
 pytestmark = [

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dense_attention, paged_attention_reference, write_kv
+from pagedjax.pallas_kernels import dense_attention, paged_attention_reference, write_kv
 
 HKV = 2
 

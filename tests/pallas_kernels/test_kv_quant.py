@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import kv_quant
-from pallas_kernels.paged_attention.kv_quant import dequantize, is_quantized, quantize
+from pagedjax.pallas_kernels.paged_attention import kv_quant
+from pagedjax.pallas_kernels.paged_attention.kv_quant import dequantize, is_quantized, quantize
 
 I8, F8 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)
 
@@ -78,7 +78,7 @@ def test_quantize_inside_jit():
 # ---- the native kernel on quantized pages -------------------------------------------------
 
 def _native():
-    from pallas_kernels.paged_attention import cpu_native
+    from pagedjax.pallas_kernels.paged_attention import cpu_native
     return cpu_native if jax.default_backend() == "cpu" and cpu_native.available() else None
 
 
@@ -99,7 +99,7 @@ def _quantized_batch(bs, hkv, g, d, dtype, seqs, nq, mb, seed=0):
 
 
 def _check_padded(dtype, bs, hkv, g, d, seqs, nq, mb, seed=0, scale=0.2):
-    from pallas_kernels import paged_attention_reference
+    from pagedjax.pallas_kernels import paged_attention_reference
     q, kq, vq, tables, kv_lens, q_lens, ks, vs, kd, vd = _quantized_batch(bs, hkv, g, d, dtype, seqs, nq, mb, seed)
     fn = jax.jit(lambda *a: _native().paged_attention_native(*a[:6], scale=scale, k_scales=a[6], v_scales=a[7]))
     out = fn(q, kq, vq, tables, kv_lens, q_lens, ks, vs)
@@ -134,7 +134,7 @@ def test_native_prefill(dtype, bs, g, nq, d):
 @native_only
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
 def test_native_packed_layout_and_bf16_q(dtype):
-    from pallas_kernels.paged_attention.packed import packed_attention_reference
+    from pagedjax.pallas_kernels.paged_attention.packed import packed_attention_reference
     seqs = [(4, 30), (1, 17), (3, 3), (2, 64)]
     q, kq, vq, tables, kv_lens, q_lens, ks, vs, kd, vd = _quantized_batch(16, 3, 3, 64, dtype, seqs, 4, 4, seed=2)
     lens = np.asarray(q_lens)
@@ -181,7 +181,7 @@ def test_native_reads_every_code_exactly(dtype):
 
 @native_only
 def test_native_supported_and_argument_errors():
-    from pallas_kernels.paged_attention.cpu_native import native_supported, paged_attention_native
+    from pagedjax.pallas_kernels.paged_attention.cpu_native import native_supported, paged_attention_native
     for page in (jnp.int8, jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16):
         assert native_supported(jnp.float32, page) and native_supported(jnp.bfloat16, page)
     assert not native_supported(jnp.int8, jnp.int8) and not native_supported(jnp.float32, jnp.float16)

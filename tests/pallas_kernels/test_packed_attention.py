@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import (packed_attention_reference, packed_paged_attention,
+from pagedjax.pallas_kernels.paged_attention import (packed_attention_reference, packed_paged_attention,
                                             paged_attention_reference)
-from pallas_kernels.paged_attention.cpu_native import available as native_available
-from pallas_kernels.paged_attention.packed import from_rows, to_rows, token_sequence_ids
+from pagedjax.pallas_kernels.paged_attention.cpu_native import available as native_available
+from pagedjax.pallas_kernels.paged_attention.packed import from_rows, to_rows, token_sequence_ids
 from test_paged_attention import _exact_f32_matmuls  # noqa: F401  (autouse: jnp paths in full f32)
 
 # the compiled Pallas kernel of the backend JAX runs on (none on CPU): same cases as interpret mode

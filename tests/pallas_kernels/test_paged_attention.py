@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (paged_attention, paged_attention_reference, paged_decode_attention,
+from pagedjax.pallas_kernels import (paged_attention, paged_attention_reference, paged_decode_attention,
                             write_kv)
-from pallas_kernels.paged_attention import common, ops
-from pallas_kernels.paged_attention.pallas_gpu import paged_decode_attention_gpu
-from pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
-from pallas_kernels.paged_attention.pallas_tpu import paged_decode_attention_tpu
-from pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
-from pallas_kernels.paged_attention.ragged import paged_attention_ragged
-from pallas_kernels.paged_attention.reference import (online_softmax_update,
+from pagedjax.pallas_kernels.paged_attention import common, ops
+from pagedjax.pallas_kernels.paged_attention.pallas_gpu import paged_decode_attention_gpu
+from pagedjax.pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
+from pagedjax.pallas_kernels.paged_attention.pallas_tpu import paged_decode_attention_tpu
+from pagedjax.pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
+from pagedjax.pallas_kernels.paged_attention.ragged import paged_attention_ragged
+from pagedjax.pallas_kernels.paged_attention.reference import (online_softmax_update,
                                                       paged_attention_chunked)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -330,8 +330,8 @@ def test_lowers_for_device(kind, dtype, page_dtype, d, monkeypatch):
 def test_jnp_paths_ask_for_float32_dots(path, num_q):
     """Every dot of the jnp paths asks for HIGHEST precision: on GPU/TPU the default rounds f32
     operands to TF32 / bf16 passes, which would break "softmax and accumulation in float32"."""
-    from pallas_kernels import dense_attention
-    from pallas_kernels.paged_attention import packed_attention_reference
+    from pagedjax.pallas_kernels import dense_attention
+    from pagedjax.pallas_kernels.paged_attention import packed_attention_reference
 
     s, h, d, bs, nb = 2, 4, 16, 8, 16
     q = jnp.ones((s, num_q, h, d), F32)

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dense_attention, paged_attention, paged_attention_reference, paged_decode_attention
-from pallas_kernels.paged_attention import cpu_native
-from pallas_kernels.paged_attention.ops import native_supported
+from pagedjax.pallas_kernels import dense_attention, paged_attention, paged_attention_reference, paged_decode_attention
+from pagedjax.pallas_kernels.paged_attention import cpu_native
+from pagedjax.pallas_kernels.paged_attention.ops import native_supported
 from test_paged_attention import BF16, F32, _exact_f32_matmuls, assert_close  # noqa: F401
 from test_paged_ragged import check, make_batch
 
@@ -84,7 +84,7 @@ def test_chained_inside_jit():
 
 def test_disabled_or_unbuildable_falls_back(tmp_path):
     """No compiler (or PAGEDJAX_NATIVE_ATTENTION=0): available() is False and auto is ragged."""
-    code = ("from pallas_kernels.paged_attention import cpu_native as c, ops; import jax.numpy as jnp; "
+    code = ("from pagedjax.pallas_kernels.paged_attention import cpu_native as c, ops; import jax.numpy as jnp; "
             "print(c.available(), ops.native_supported(jnp.float32, jnp.float32))")
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), PAGEDJAX_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -98,7 +98,7 @@ def test_disabled_or_unbuildable_falls_back(tmp_path):
 def test_loading_the_kernel_keeps_denormals():
     """The library must not switch the process to flush-to-zero (gcc's crtfastmath.o does that
     for -ffast-math builds)."""
-    code = ("import numpy as np; from pallas_kernels.paged_attention import cpu_native as c; "
+    code = ("import numpy as np; from pagedjax.pallas_kernels.paged_attention import cpu_native as c; "
             "assert c.available(); print(float(np.float32(1e-38) / np.float32(100)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout) > 0

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention, paged_attention_reference
-from pallas_kernels.paged_attention import ops
-from pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
-from pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
+from pagedjax.pallas_kernels import paged_attention, paged_attention_reference
+from pagedjax.pallas_kernels.paged_attention import ops
+from pagedjax.pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
+from pagedjax.pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
 from test_paged_attention import (BF16, F32, HKV, MB, KernelImpl, _exact_f32_matmuls,  # noqa: F401
                                   assert_close)
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import paged_attention, paged_attention_reference, paged_decode_attention
-from pallas_kernels.paged_attention.ragged import paged_attention_ragged
-from pallas_kernels.paged_attention.reference import paged_attention_chunked
+from pagedjax.pallas_kernels import paged_attention, paged_attention_reference, paged_decode_attention
+from pagedjax.pallas_kernels.paged_attention.ragged import paged_attention_ragged
+from pagedjax.pallas_kernels.paged_attention.reference import paged_attention_chunked
 from test_paged_attention import BF16, F32, _exact_f32_matmuls, assert_close  # noqa: F401
 
 
@@ -82,7 +82,7 @@ _S, _Q, _BS, _MB, _NB = 4, 3, 4, 5, 24
 
 @functools.lru_cache(maxsize=None)
 def _jitted(name):
-    from pallas_kernels.paged_attention.cpu_native import paged_attention_native
+    from pagedjax.pallas_kernels.paged_attention.cpu_native import paged_attention_native
 
     fn = {"ragged": functools.partial(paged_attention_ragged, pages_per_unit=2,
                                       units_per_step=2),
@@ -95,7 +95,7 @@ def _jitted(name):
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_cpu_paths_property(data):
-    from pallas_kernels.paged_attention.ops import native_supported
+    from pagedjax.pallas_kernels.paged_attention.ops import native_supported
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
     kv = [data.draw(st.integers(0, _MB * _BS)) for _ in range(_S)]

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import (kv_quant, ops, packed_paged_attention, paged_attention,
+from pagedjax.pallas_kernels.paged_attention import (kv_quant, ops, packed_paged_attention, paged_attention,
                                             paged_attention_reference, paged_decode_attention)
-from pallas_kernels.paged_attention.packed import packed_attention_reference
-from pallas_kernels.paged_attention.pallas_tpu import tpu_supported
+from pagedjax.pallas_kernels.paged_attention.packed import packed_attention_reference
+from pagedjax.pallas_kernels.paged_attention.pallas_tpu import tpu_supported
 from test_paged_attention import _exact_f32_matmuls  # noqa: F401  (autouse: jnp paths in full f32)
 
 QDTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -162,10 +162,10 @@ def test_lowers_for_device(kind, qname, monkeypatch):
     platform from any host: Pallas lowering rules (Triton / Mosaic); compiling needs the device."""
     from jax import export
 
-    from pallas_kernels.paged_attention.pallas_gpu import paged_decode_attention_gpu
-    from pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
-    from pallas_kernels.paged_attention.pallas_tpu import paged_decode_attention_tpu
-    from pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
+    from pagedjax.pallas_kernels.paged_attention.pallas_gpu import paged_decode_attention_gpu
+    from pagedjax.pallas_kernels.paged_attention.pallas_gpu_prefill import paged_prefill_attention_gpu
+    from pagedjax.pallas_kernels.paged_attention.pallas_tpu import paged_decode_attention_tpu
+    from pagedjax.pallas_kernels.paged_attention.pallas_tpu_prefill import paged_prefill_attention_tpu
 
     s, nq, bs, nb, qdt = 2, 8, 32, 16, jnp.bfloat16
     pages = jax.ShapeDtypeStruct((HKV, nb, bs, D), QDTYPES[qname])

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.dense_attention import dense_attention, dense_packed_attention
-from pallas_kernels.paged_attention import kv_quant, ops, packed
-from pallas_kernels.paged_attention.cpu_native import native_supported
-from pallas_kernels.paged_attention.reference import paged_attention_reference
+from pagedjax.pallas_kernels.dense_attention import dense_attention, dense_packed_attention
+from pagedjax.pallas_kernels.paged_attention import kv_quant, ops, packed
+from pagedjax.pallas_kernels.paged_attention.cpu_native import native_supported
+from pagedjax.pallas_kernels.paged_attention.reference import paged_attention_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOL = {F32: dict(atol=2e-5, rtol=2e-5), BF16: dict(atol=3e-2, rtol=3e-2)}

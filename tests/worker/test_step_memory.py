@@ -53,7 +53,7 @@ def test_copy_on_write_runs_apart_and_in_place(engine):
     accelerators run)."""
     import jax
 
-    from models.kv_cache import copy_blocks_at_once
+    from pagedjax.models.kv_cache import copy_blocks_at_once
 
     runner = engine.runner
     runner._compile_copy_blocks()

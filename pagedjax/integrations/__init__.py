@@ -1,0 +1,1 @@
+"""Adapters that plug pagedjax into other libraries (each an optional extra)."""
