@@ -7,6 +7,8 @@ under one `jax.lax.scan` with the cache threaded through it and updated in place
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import jax
@@ -171,8 +173,13 @@ def init_kv_cache(cache, num_layers: int, num_kv_heads: int, head_dim: int, dtyp
     ranks, rank r's whole pool follows rank r - 1's on the block axis."""
     shape = list(cache.shape(num_layers, num_kv_heads, head_dim))
     shape[1] *= data_parallel
-    make = jax.jit(lambda: kv_quant.zeros(shape, dtype), out_shardings=sharding)
+    make = _zeros_maker(tuple(shape), dtype, sharding)  # one per pool shape: a wake-up compiles nothing
     return make(), make()
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_maker(shape: tuple, dtype, sharding):
+    return jax.jit(lambda: kv_quant.zeros(list(shape), dtype), out_shardings=sharding)
 
 
 def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) -> KVCache:

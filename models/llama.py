@@ -296,22 +296,25 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, np.ndarray], dtype=jnp.float32, scan_layers: bool = False,
-                 mesh=None, quantization: str | None = None, expert_parallel: bool = False, moe_impl: str = "auto"):
+                 mesh=None, quantization: str | None = None, expert_parallel: bool = False, moe_impl: str = "auto",
+                 placement: type = Placement, tp: int | None = None):
+        """placement: what makes the parameters (models.weight_update traces the layout with its
+        own); tp: the tensor-parallel layout without a mesh (default: the mesh's "model" axis)."""
         self.config = cfg
         self.scan_layers = scan_layers and cfg.uniform_layers  # Gemma's local/global layers: unrolled
         self.dtype = jnp.dtype(dtype)  # of the matrices (quantized: of their dots); activations are float32
         self.quantization = quantization  # None, "int8" or "fp8" (models.quantization)
-        layout = tp_layout(cfg, 1 if mesh is None else mesh.shape["model"], expert_parallel)
+        layout = tp_layout(cfg, tp or (1 if mesh is None else mesh.shape["model"]), expert_parallel)
         self.num_kv_heads = layout.num_kv_heads  # stored (replicated up to tp when tp > the model's)
         self.tp_layout = layout
-        place = Placement(dtype, mesh, layout, quantization=quantization)
+        place = placement(dtype, mesh, layout, quantization=quantization)
         self.native_head = place.native_head
         self.embed = place(arrays, "embed")  # [V, E], never quantized (models.quantization.QUANTIZED)
         layers = [regroup_layer(layer, cfg, layout) for layer in arrays["layers"]]
         if self.scan_layers:
             stacked = {name: np.stack([np.asarray(layer[name]) for layer in layers]) for name in layers[0]}
             # every parameter [L, ...]
-            self.layers = DecoderLayer(cfg, stacked, Placement(dtype, mesh, layout, stacked=True,
+            self.layers = DecoderLayer(cfg, stacked, placement(dtype, mesh, layout, stacked=True,
                                                                quantization=quantization), layout, 0, moe_impl)
         else:
             self.layers = nnx.List([DecoderLayer(cfg, layer, place, layout, i, moe_impl)

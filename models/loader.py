@@ -44,7 +44,7 @@ _MOE = {  # family -> (the block's HF prefix, router, expert gate / up / down)
 }
 
 
-def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], gemma_offset: bool = True) -> dict:
     """HF-named tensors -> the nested arrays CausalLM takes (weights stay [out, in]).
     A base-model checkpoint (saved as Qwen3Model etc., as embedding models such as
     Qwen3-Embedding are: no "model." prefix, no lm_head) loads too; with no lm_head the output
@@ -82,7 +82,7 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
                                                 "layer is the embedding matrix; embeddings are exact, generation "
                                                 "is not")
             arrays["lm_head"] = arrays["embed"]
-    if cfg.family in GEMMA:  # Gemma's RMSNorm scales by 1 + weight: stored here as that sum
+    if cfg.family in GEMMA and gemma_offset:  # Gemma's RMSNorm scales by 1 + weight: stored here as that sum
         # summed in float32 (a bf16 checkpoint's 1 + w would round to bf16; transformers adds in float32)
         arrays["norm"] = np.asarray(arrays["norm"], np.float32) + 1.0
         for layer in layers:
@@ -152,15 +152,24 @@ def default_scan_layers() -> bool:
     return jax.default_backend() != "cpu"
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers: bool | None = None, mesh=None,
-               quantization: str | None = None, expert_parallel: bool = False, moe_impl: str = "auto"):
+               quantization: str | None = None, expert_parallel: bool = False, moe_impl: str = "auto",
+               load_format: str = "auto", weights=None):
     """Returns (CausalLM, ModelConfig, tokenizer) for a local HF dir, or the default model.
     scan_layers: None picks `default_scan_layers()`. mesh: a ("data", "model") Mesh to split
     the weights over "model" (models.sharding); each device receives only its shards.
     quantization: None, "int8" or "fp8": the matrices quantized as they load (models.quantization);
     None on a compressed-tensors checkpoint: its own scheme (models.compressed_tensors).
-    expert_parallel, moe_impl: a mixture-of-experts model's layout and expert matmuls (models.moe)."""
+    expert_parallel, moe_impl: a mixture-of-experts model's layout and expert matmuls (models.moe).
+    load_format: "auto" reads the directory's weights; "dummy" reads only its config and
+    tokenizer and makes random weights of the right shapes (to receive real ones later,
+    LLM.update_weights). weights: Hugging Face-named arrays (a mapping or (name, array)
+    pairs, numpy or jax) used instead of the directory's weight files."""
     from pagedjax.models.weights import load_tensors_from_dir
+    from pagedjax.models import weight_update
 
     check_quantization(quantization)
     model_dir = resolve_model_dir(model)
@@ -169,8 +178,16 @@ def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers
     if moe_impl != "auto" and not cfg.num_experts:
         raise ValueError(f"moe_impl={moe_impl!r} applies to mixture-of-experts models; this one has no experts "
                          f"(leave it at 'auto')")
-    tensors = load_tensors_from_dir(model_dir)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     stored = compressed_tensors.scheme(json.loads((model_dir / "config.json").read_text()))
+    if weights is not None:
+        tensors = _given_tensors(cfg, weight_update.named_arrays(weights))
+        stored = None
+    elif load_format == "dummy":
+        tensors, stored = weight_update.random_tensors(cfg), None
+    else:
+        tensors = load_tensors_from_dir(model_dir)
     if stored is not None:  # a pre-quantized checkpoint: served in its own 8-bit scheme unless told otherwise
         tensors = compressed_tensors.dequantize_tensors(tensors)
         quantization = quantization or stored
@@ -179,3 +196,19 @@ def load_model(model: str | Path | None = None, dtype: str = "auto", scan_layers
     model = CausalLM(cfg, arrays, resolve_dtype(dtype, cfg), scan_layers=scan, mesh=mesh, quantization=quantization,
                      expert_parallel=expert_parallel, moe_impl=moe_impl)
     return model, cfg, load_tokenizer(model_dir)
+
+
+def _given_tensors(cfg: ModelConfig, weights: dict) -> dict:
+    """weights (HF names) checked against what the model needs: every tensor, no other, each
+    of its shape (ValueError naming what is wrong)."""
+    from pagedjax.models.weight_update import needed_tensors
+
+    wanted = needed_tensors(cfg)
+    missing = sorted(set(wanted) - set(weights))
+    unknown = sorted(set(weights) - set(wanted) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    wrong = [f"{n}: {tuple(np.shape(weights[n]))} != {wanted[n]}" for n in wanted
+             if n in weights and tuple(np.shape(weights[n])) != wanted[n]]
+    if missing or unknown or wrong:
+        raise ValueError(f"weights do not fit the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                         f"unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''}, wrong shapes {wrong[:5]}")
+    return {n: weights[n] for n in wanted}

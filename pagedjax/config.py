@@ -46,6 +46,9 @@ class EngineConfig:
     as flags (`--` and the name with dashes, generated from these fields)."""
 
     model: str | None = option(None, "local Hugging Face model dir (default: the embedded SmolLM2-135M-Instruct)")
+    load_format: str = option("auto", "auto: read the model's weight files; dummy: config and tokenizer only, random "
+                              "weights of the right shapes (real ones arrive later through LLM.update_weights)", str,
+                              choices=("auto", "dummy"))
     block_size: int = option(16, "tokens per KV block (a power of two)", int)
     num_blocks: int | None = option(None, "KV blocks in the pool (default: from the KV memory budget; dense: the "
                                     "number of slots)", int)
@@ -122,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens must be at least 16, got {self.max_num_batched_tokens}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -47,6 +47,9 @@ class Request:
     # an embedding request's PoolingParams (pagedjax.pooling; its pooling_type resolved): the
     # prompt is prefilled and pooled, nothing is generated; None: a generation request
     pooling: object = None
+    # prompt logprobs from this prompt index on (scoring a completion); the prefix before it
+    # may come from the prefix cache
+    prompt_logprobs_from: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # speculative guesses of the next tokens
     num_drafted: int = 0  # draft tokens verified so far, and accepted (its acceptance estimate)
     num_accepted_drafts: int = 0
@@ -85,8 +88,18 @@ class Request:
     def needs_every_prompt_position(self) -> bool:
         """Every prompt position must be computed (no prefix-cache hits): prompt logprobs,
         or mean pooling over the prompt's hidden states."""
-        return self.params.prompt_logprobs is not None or (self.pooling is not None
-                                                            and self.pooling.pooling_type == "mean")
+        return self.num_cacheable_tokens == 0
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens whose KV may come from the prefix cache (their positions need no
+        output of their own): none for prompt logprobs from the start or mean pooling; with
+        prompt logprobs from index i (a scored completion), the positions before i - 1."""
+        if self.pooling is not None and self.pooling.pooling_type == "mean":
+            return 0
+        if self.params.prompt_logprobs is not None:
+            return max(self.prompt_logprobs_from - 1, 0)
+        return self.num_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

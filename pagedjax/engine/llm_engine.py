@@ -25,9 +25,11 @@ from pagedjax.core.request import PLACEHOLDER, Request
 from pagedjax.core.sched.scheduler import Scheduler
 from pagedjax.core.sched.window import window_release
 from pagedjax.engine import engine_stats
+from pagedjax.engine.engine_info import EngineInfo
 from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_sizing import plan_kv
 from pagedjax.engine.output_processor import OutputProcessor
+from pagedjax.engine.weight_control import WeightControl
 from pagedjax.lora.manager import LoRAManager
 from pagedjax.outputs import RequestOutput
 from pagedjax.parallel.data_parallel import DataParallelRouter
@@ -52,16 +54,20 @@ class StepRecord:
     dispatched_ahead: bool  # async scheduling dispatched the next step before reading this one
 
 
-class LLMEngine:
-    def __init__(self, model: str | None = None, *, stream_text: bool = True, **engine_kwargs):
+class LLMEngine(WeightControl, EngineInfo):
+    def __init__(self, model: str | None = None, *, stream_text: bool = True, weights=None, **engine_kwargs):
         """stream_text: keep every request's text up to date each step and return outputs of
-        unfinished requests too (for streaming); off, text is decoded once at the end."""
+        unfinished requests too (for streaming); off, text is decoded once at the end.
+        weights: Hugging Face-named arrays to load instead of the directory's weight files
+        (a mapping or (name, array) pairs; every tensor the model needs)."""
         compile_counter.install()
         compile_counter.enable_persistent_cache()
         self.config = cfg = EngineConfig(model=model, **engine_kwargs)
         self.mesh = make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
         self.model, self.model_config, self.tokenizer = load_model(model, cfg.dtype, cfg.scan_layers, self.mesh,
-                                                                   cfg.quantization, cfg.expert_parallel, cfg.moe_impl)
+                                                                   cfg.quantization, cfg.expert_parallel, cfg.moe_impl,
+                                                                   load_format=cfg.load_format, weights=weights)
+        self.num_weight_updates = 0
         cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len
         self.model_name = engine_stats.model_name(model)
@@ -126,13 +132,16 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, lora_request=None) -> None:
+                    cache_salt: str | None = None, lora_request=None, score_from: int = 0) -> None:
         """Queues a request; raises ValueError with the reason if it can never run.
 
         With n > 1 the prompt is computed once and the n sequences fork from it, sharing its
         blocks. `cache_salt` keeps this request's prefix-cache entries apart from others'.
-        lora_request: a LoRARequest (needs enable_lora) to run the request with that adapter."""
+        lora_request: a LoRARequest (needs enable_lora) to run the request with that adapter.
+        score_from: with prompt_logprobs, the first prompt index whose log-probability is
+        wanted (the prefix before it may come from the prefix cache; add_score_request)."""
         params = params or SamplingParams()
+        self.check_awake()
         self._check_new_id(request_id)
         adapter = None
         if lora_request is not None:
@@ -148,7 +157,7 @@ class LLMEngine:
             self.masks.add(seq_ids, params)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
         reqs = [Request(rid, list(ids), params, base_seed + i, self.eos_token_ids, cache_salt=cache_salt,
-                        lora_adapter=adapter) for i, rid in enumerate(seq_ids)]
+                        lora_adapter=adapter, prompt_logprobs_from=score_from) for i, rid in enumerate(seq_ids)]
         reqs[0].pending_forks, reqs[0].reserved_seats = reqs[1:], len(reqs) - 1
         rank = self.router.route(reqs[0])
         self.schedulers[rank].add(reqs[0])
@@ -156,27 +165,9 @@ class LLMEngine:
             req.dp_rank = rank
         self.output.add(request_id, text, reqs)
 
-    # -- LoRA adapters ----------------------------------------------------------------------
-    def add_lora(self, lora_request) -> None:
-        """Registers and reads a LoRA adapter ahead of its first request (ValueError if it
-        cannot serve: bad files, rank above max_lora_rank, shapes of another model, id taken)."""
-        if self.lora is None:
-            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
-        self.lora.add(lora_request)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forgets an adapter (running requests finish with it); False if it was not known."""
-        if self.lora is None or lora_int_id not in self.lora.known:
-            return False
-        self.lora.remove(lora_int_id)
-        return True
-
-    def list_loras(self) -> list:
-        """The LoRARequests of every known adapter, by id."""
-        return [] if self.lora is None else [self.lora.known[i] for i in sorted(self.lora.known)]
-
     def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
         """Queues a beam search; its result lands in `finished_beam_searches[request_id]`."""
+        self.check_awake()
         self._check_new_id(request_id)
         _, ids = self.inputs.tokenize(prompt)
         if self.beams is None:
@@ -189,6 +180,7 @@ class LLMEngine:
         the same scheduler), pooled and finished at once, its blocks freed; its one output is an
         EmbeddingRequestOutput. ValueError with the reason if it can never run."""
         params = params or PoolingParams()
+        self.check_awake()
         self._check_new_id(request_id)
         text, ids = self.inputs.tokenize(prompt)
         if self.pooler is None:
@@ -389,38 +381,3 @@ class LLMEngine:
     def wait_for_warmup(self) -> None:
         """Blocks until a background warm-up has compiled every bucket."""
         self.runner.wait_for_warmup()
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return self.output.num_generated_tokens + (self.beams.num_generated_tokens if self.beams else 0)
-
-    @property
-    def drafter(self):
-        """The draft model's proposer (speculative decoding with a draft model), else None."""
-        return self.spec.drafter if self.spec is not None else None
-
-    @property
-    def num_verify_steps(self) -> int:
-        return self.spec.num_verify_steps if self.spec is not None else 0
-
-    def step_costs(self) -> dict[int, float]:
-        """Wall seconds of a step by its size T, as measured so far (medians of recent steps;
-        kept with speculative decoding, whose draft allocation weighs them)."""
-        return self.spec.step_costs.as_dict() if self.spec is not None else {}
-
-    def draft_costs(self) -> dict[int, float]:
-        """Wall seconds of a draft model's proposal by its depth (drafts per request), as
-        measured so far (medians of recent proposals)."""
-        return self.spec.draft_costs.as_dict() if self.spec is not None else {}
-
-    def stats(self) -> dict:
-        """Totals over the data-parallel ranks; "data_parallel_ranks" has each rank's own."""
-        return engine_stats.stats(self)
-
-    def compile_stats(self) -> dict:
-        """The compile counts and warm-up state of stats(), cheap and safe from any thread."""
-        return engine_stats.compile_stats(self)
-
-    def kv_memory(self):
-        """KV memory accounting (core.kv_memory) summed over the data-parallel ranks."""
-        return engine_stats.kv_memory(self)

@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import fields
 
+import numpy as np
+
 from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine.llm_engine import LLMEngine
@@ -21,11 +23,13 @@ class LLM:
     within the compiled buckets meanwhile) and, once `wait_for_warmup()` returns, batches of
     any size and length within the limits compile nothing."""
 
-    def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_kwargs):
+    def __init__(self, model: str | None = None, *, warmup: bool = True, weights=None, **engine_kwargs):
         """model: a local Hugging Face dir, None for the embedded default model; engine_kwargs:
         any EngineConfig field (block_size, num_blocks, max_num_seqs, max_model_len, kv_cache,
-        dtype, ...: the signature lists them with their defaults)."""
-        self.engine = LLMEngine(model, stream_text=False, **engine_kwargs)
+        dtype, load_format, ...: the signature lists them with their defaults). weights:
+        Hugging Face-named arrays (a mapping or (name, array) pairs, numpy or jax.Array) to
+        use instead of the directory's weight files (its config and tokenizer are read)."""
+        self.engine = LLMEngine(model, stream_text=False, weights=weights, **engine_kwargs)
         if warmup:
             self.engine.warmup(background=True)
         self._ids = itertools.count()
@@ -133,6 +137,43 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    # -- inside a training loop (docs/design/integration.md) ---------------------------------
+    def update_weights(self, weights) -> int:
+        """New weights from memory between generate calls: Hugging Face-named arrays (a
+        mapping or (name, array) pairs; jax.Array on any device or numpy; any subset). The
+        engine's layout (fused projections, stacked layers, 8-bit re-quantization, shards) is
+        its own business. All or nothing; compiles no step; drops the prefix cache. Returns the
+        number of engine parameters written."""
+        return self.engine.update_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (e.g. after changing the weights by other means)."""
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Releases device memory while the process trains: level 1 the KV pool, level 2 the
+        weights too (kept on the host). generate raises until wake_up()."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restores what sleep released, compiling nothing."""
+        self.engine.wake_up()
+
+    def score(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+              use_tqdm: bool = False) -> list[np.ndarray]:
+        """The model's log-probability of each completion token after its prompt (token ids):
+        one float32 array [len(completion)] per pair, raw log_softmax of the logits (no
+        temperature). Batched through the scheduler like prompts (chunked prefill; a prompt's
+        blocks may come from the prefix cache, e.g. n completions of one prompt)."""
+        prompts, completions = [list(p) for p in prompts], [list(c) for c in completions]
+        if len(prompts) != len(completions):
+            raise ValueError(f"got {len(prompts)} prompts and {len(completions)} completions; give one of each per pair")
+        ids = [f"score-{next(self._ids)}" for _ in prompts]
+        self._add_all(ids, lambda i: self.engine.add_score_request(ids[i], prompts[i], completions[i]))
+        outs = self._run(ids, use_tqdm, "scoring", count_tokens=False)
+        return [np.array([entry[tok] for entry, tok in zip(out.prompt_logprobs[len(p):], c)], np.float32)
+                for out, p, c in zip(outs, prompts, completions)]
+
 
 def _per_prompt(value, n: int, one: type, what: str) -> list:
     """One value for each of n prompts: `value` itself n times (a `one` or None), or a
@@ -166,6 +207,7 @@ def _signature() -> inspect.Signature:
     params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
                for f in fields(EngineConfig) if f.name != "model"]
     params.append(inspect.Parameter("warmup", inspect.Parameter.KEYWORD_ONLY, default=True))
+    params.append(inspect.Parameter("weights", inspect.Parameter.KEYWORD_ONLY, default=None))
     return inspect.Signature(params)
 
 

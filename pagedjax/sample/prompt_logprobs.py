@@ -75,11 +75,12 @@ def entries(plp, offset: int, positions: range, prompt_ids: list[int], k: int) -
     return out
 
 
-def next_tokens(prompt_ids: list[int], start: int, q_len: int) -> np.ndarray:
-    """prompt_next of a chunk [start, start + q_len): the following prompt token, -1 past the prompt."""
+def next_tokens(prompt_ids: list[int], start: int, q_len: int, first: int = 0) -> np.ndarray:
+    """prompt_next of a chunk [start, start + q_len): the following prompt token, -1 past the
+    prompt and where that token's index is below `first` (nobody asked for it)."""
     nxt = np.full(q_len, -1, np.int32)
     p = len(prompt_ids)
-    lo, hi = start + 1, min(start + q_len + 1, p)
+    lo, hi = max(start + 1, first), min(start + q_len + 1, p)
     if hi > lo:
-        nxt[:hi - lo] = prompt_ids[lo:hi]
+        nxt[lo - start - 1:hi - start - 1] = prompt_ids[lo:hi]
     return nxt

@@ -102,7 +102,8 @@ class InputBatch:
                     lora_slots[t0 + off:t0 + off + ql] = req.lora_slot
                 off += ql
                 if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
-                    prompt_next[t0 + off - ql:t0 + off] = prompt_logprobs.next_tokens(req.prompt_token_ids, start, ql)
+                    prompt_next[t0 + off - ql:t0 + off] = prompt_logprobs.next_tokens(req.prompt_token_ids, start, ql,
+                                                                                            req.prompt_logprobs_from)
                 kv_lens[row], cu[c0 + i + 1] = start + ql, off
                 # the sequence's last token (with drafts: each of its positions), among its rank's tokens
                 n = len(drafts) + 1

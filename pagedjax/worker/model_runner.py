@@ -77,6 +77,7 @@ class ModelRunner(CompiledSteps):
         kv_sharding = NamedSharding(self.mesh, P(MODEL_AXIS, DATA_AXIS))
         self.kv = init_kv_cache(cache, cfg.num_layers, model.num_kv_heads, cfg.head_dim, kv_dtype, kv_sharding,
                                 data_parallel=self.dp)
+        self.kv_dtype, self.kv_sharding = kv_dtype, kv_sharding  # a wake-up (worker/weight_sync.py) remakes the pool
         # the weights travel to each step as a flat list: flattening the nnx state (a Python
         # pytree of ~180 variables) cost ~0.5 ms a call
         self._weights, self._weights_tree = jax.tree.flatten(self.state)

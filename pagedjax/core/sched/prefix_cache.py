@@ -28,7 +28,7 @@ class PrefixCache:
             return [], None  # prompt logprobs and mean pooling need every prompt position computed
         hits, parent, bs = [], None, self.block_size
         all_ids = req.all_token_ids
-        for i in range((req.num_tokens - 1) // bs):
+        for i in range(min(req.num_tokens - 1, req.num_cacheable_tokens) // bs):
             tokens = tuple(all_ids[i * bs:(i + 1) * bs])
             h = req.block_hashes[i] if i < len(req.block_hashes) else \
                 block_key(req, i, parent, tokens)
