@@ -1,0 +1,254 @@
+"""pagedjax as a Tunix rollout engine: `RLCluster(..., ClusterConfig(rollout_engine=PagedJaxRollout))`.
+
+Tunix (google-tunix, `pip install -e ".[tunix]"`) trains a Flax NNX actor and asks its
+rollout engine for samples, their log-probabilities and, after each step, to take the new
+weights. PagedJaxRollout serves Tunix's own Qwen 3 and Llama 3 models: at construction it
+reads the actor's config into a Hugging Face config (a temporary directory holding only
+config.json), starts an engine with `load_format="dummy"` and sends it the actor's weights
+through `LLM.update_weights`, as it does again at every `update_params`. Prompts are
+tokenized as Tunix's own sampler does (BOS, then the text), so greedy rollouts equal its
+VanillaRollout token for token; identical prompts (Tunix repeats each one per generation)
+run as one request with n samples that share the prompt's KV blocks.
+
+Not supported yet: qwix LoRA actors (update_params refuses LoRA-only states), Tunix's
+offload_to_cpu (use `rollout.llm.sleep()` to free the engine's memory instead),
+mixture-of-experts Qwen 3.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+try:
+    from tunix.rl.rollout import base_rollout
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("pagedjax.integrations.tunix needs Tunix: pip install -e \".[tunix]\" (google-tunix)") from e
+
+from pagedjax.entrypoints.llm import LLM
+from pagedjax.sampling_params import SamplingParams
+
+
+def _family(actor) -> str:
+    from tunix.models.llama3 import model as llama3
+    from tunix.models.qwen3 import model as qwen3
+
+    if isinstance(actor, qwen3.Qwen3):
+        if getattr(actor.config, "num_experts", None):
+            raise NotImplementedError("PagedJaxRollout does not serve mixture-of-experts Qwen 3 actors yet")
+        return "qwen3"
+    if isinstance(actor, llama3.Llama3):
+        return "llama3"
+    raise NotImplementedError(f"PagedJaxRollout serves Tunix's Qwen 3 and Llama 3 models, got {type(actor).__name__}")
+
+
+def _rope_theta(actor, family: str) -> float:
+    """The RoPE base the actor's attention really uses: Tunix 0.1.7 calls apply_rope without
+    the config's rope_theta (so its default, 1e6, applies), and the engine must compute what
+    the trained model computes."""
+    module = inspect.getmodule(type(actor))
+    attention = module.Attention.__call__
+    if "rope_theta" in inspect.getsource(attention):
+        return float(actor.config.rope_theta)
+    return float(inspect.signature(module.apply_rope).parameters["rope_theta"].default)
+
+
+def hf_config(actor, max_position_embeddings: int, bos_id: int | None, eos_id: int) -> dict:
+    """A Hugging Face config.json (as a dict) for a Tunix Qwen 3 / Llama 3 actor."""
+    family, c = _family(actor), actor.config
+    tied = c.use_tied_embedding if family == "qwen3" else c.weight_tying
+    return {"architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"],
+            "model_type": family if family == "qwen3" else "llama", "vocab_size": c.vocab_size,
+            "hidden_size": c.embed_dim, "intermediate_size": c.hidden_dim, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "rms_norm_eps": c.norm_eps, "rope_theta": _rope_theta(actor, family), "hidden_act": "silu",
+            "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": bool(tied),
+            "attention_bias": False, "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": "float32"}
+
+
+def hf_named_weights(state: nnx.State, config: dict) -> dict[str, jax.Array]:
+    """A Tunix Qwen 3 / Llama 3 parameter state -> Hugging Face-named arrays ([out, in]),
+    computed in one jitted program (one pass over the weights)."""
+    flat = {".".join(map(str, path)): var.get_value() if hasattr(var, "get_value") else var
+            for path, var in nnx.to_flat_state(state)}
+    dims = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
+    return _to_hf(flat, dims)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _to_hf(flat: dict, dims: tuple) -> dict:
+    d, n, k, h = dims
+    out = {}
+    for key, x in flat.items():
+        if key == "embedder.input_embedding":
+            out["model.embed_tokens.weight"] = x
+        elif key == "final_norm.w":
+            out["model.norm.weight"] = x
+        elif key == "lm_head.w":
+            out["lm_head.weight"] = x.T
+        elif key.startswith("layers."):
+            _, i, *rest = key.split(".")
+            p, rest = f"model.layers.{i}.", ".".join(rest)
+            if rest in ("attn.q_proj.w", "attn.k_proj.w", "attn.v_proj.w"):
+                heads = n if rest.startswith("attn.q") else k
+                out[p + f"self_attn.{rest.split('.')[1]}.weight"] = x.reshape(d, heads * h).T
+            elif rest == "attn.o_proj.w":
+                out[p + "self_attn.o_proj.weight"] = x.reshape(n * h, d).T
+            elif rest in ("attn.q_norm.w", "attn.k_norm.w"):
+                out[p + f"self_attn.{rest.split('.')[1]}.weight"] = x
+            elif rest in ("mlp.gate_proj.kernel", "mlp.up_proj.kernel", "mlp.down_proj.kernel"):
+                out[p + f"mlp.{rest.split('.')[1]}.weight"] = x.T
+            elif rest in ("input_layernorm.w", "post_attention_layernorm.w"):
+                out[p + f"{rest.split('.')[0]}.weight"] = x
+            else:
+                raise ValueError(f"unexpected Tunix parameter {key!r}")
+        else:
+            raise ValueError(f"unexpected Tunix parameter {key!r}")
+    return out
+
+
+def _own_mesh(method):
+    """Runs an engine call outside the mesh Tunix sets around rollouts (the engine places
+    its arrays on a mesh of its own; an ambient one would conflict with it in tracing)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with jax.set_mesh(None):
+            return method(*args, **kwargs)
+
+    return run
+
+
+class PagedJaxRollout(base_rollout.BaseRollout):
+    """A Tunix rollout engine on a pagedjax LLM (see the module doc). engine_kwargs: any
+    LLM option (block_size, num_blocks, max_num_seqs, kv_cache_memory_gb, ...); a subclass
+    or functools.partial may set them for RLCluster, which passes only Tunix's arguments."""
+
+    @_own_mesh
+    def __init__(self, rollout_actor=None, tokenizer=None, mesh=None, rollout_config=None, **engine_kwargs):
+        if rollout_actor is None or tokenizer is None:
+            raise ValueError("PagedJaxRollout needs rollout_actor (a Tunix Qwen 3 / Llama 3 model) and tokenizer")
+        from tunix.generate.tokenizer_adapter import TokenizerAdapter
+
+        self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(tokenizer)
+        self.mesh = mesh
+        config = rollout_config or base_rollout.RolloutConfig()
+        state = nnx.state(rollout_actor, nnx.Param)
+        leaf_dtype = jax.tree.leaves(state)[0].dtype
+        dtype = jnp.dtype(config.data_type or leaf_dtype).name
+        max_len = max(config.kv_cache_size or 0, config.max_prompt_length + config.max_tokens_to_generate)
+        self._config = hf_config(rollout_actor, max_len, self.tokenizer.bos_id(), self.tokenizer.eos_id())
+        self._dir = tempfile.TemporaryDirectory(prefix="pagedjax-tunix-")
+        (Path(self._dir.name) / "config.json").write_text(json.dumps(self._config))
+        engine_kwargs.setdefault("max_num_seqs", 64)
+        self.llm = LLM(self._dir.name, load_format="dummy", dtype=dtype, max_model_len=max_len,
+                       warmup=engine_kwargs.pop("warmup", False), **engine_kwargs)
+        self.update_params(state)
+
+    # -- Tunix's interface ------------------------------------------------------------------
+    def model(self):
+        """None: the engine holds its own copy of the weights in its own layout, never the
+        actor's arrays, so Tunix must send every update through update_params (it skips them
+        when model() shares the actor's arrays; its sharing check also needs the same tree
+        structure as the actor's, which the engine's model does not have)."""
+        return None
+
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id()
+
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id()
+
+    @_own_mesh
+    def update_params(self, params, filter_types=None) -> None:
+        """Takes the actor's new parameters (a Tunix Qwen 3 / Llama 3 nnx.State, or the subset
+        it trains): converted to Hugging Face names on the device and written into the engine
+        (LLM.update_weights: no compilation of a step, the prefix cache dropped)."""
+        if any(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(params)):
+            raise NotImplementedError("PagedJaxRollout does not take qwix LoRA actors yet (merge the adapter into "
+                                      "the weights, or use Tunix's VanillaRollout)")
+        with jax.transfer_guard("allow"):  # Tunix syncs inside "disallow_explicit" on CPU
+            self.llm.update_weights(hf_named_weights(params, self._config))
+
+    @_own_mesh
+    def generate(self, prompts, rollout_config, **kwargs) -> base_rollout.RolloutOutput:
+        """Samples for each prompt (Tunix repeats a prompt once per generation: runs of equal
+        prompts become one request with n samples sharing its blocks)."""
+        prompts = [str(p) for p in prompts]
+        ids = [self._tokenize(p) for p in prompts]
+        width = max(len(x) for x in ids)
+        pad_to = rollout_config.max_prompt_length
+        if pad_to is None or pad_to < width:  # as Tunix's sampler: the next power of two
+            pad_to = 1 << (width - 1).bit_length()
+        eos = tuple(rollout_config.eos_tokens or (self.eos_id(),))
+        groups = _runs(prompts)  # (first index, count)
+        params = [self._sampling_params(rollout_config, count, eos, first) for first, count in groups]
+        outs = self.llm.generate([ids[first] for first, _ in groups], params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outs:
+            for seq in out.outputs:
+                toks = list(seq.token_ids)
+                if toks and toks[-1] in eos:
+                    toks.pop()  # Tunix's completions end before EOS
+                tokens.append(np.asarray(toks, np.int32))
+                if rollout_config.return_logprobs:
+                    logprobs.append(np.asarray([lp[t] for lp, t in zip(seq.logprobs, toks)], np.float32))
+        padded = np.full((len(prompts), pad_to), self.pad_id(), np.int32)
+        for row, x in zip(padded, ids):
+            row[pad_to - len(x):] = x
+        text = [self.tokenizer.decode(t.tolist()) for t in tokens]
+        return base_rollout.RolloutOutput(text=text, logits=[], tokens=tokens, left_padded_prompt_tokens=padded,
+                                          logprobs=logprobs if rollout_config.return_logprobs else None)
+
+    @_own_mesh
+    def get_per_token_logps(self, prompt_tokens, completion_tokens) -> jax.Array:
+        """log p(completion token | the prompt and completion before it) [B, C] float32, 0
+        where the completion is padding; left padding of the prompts ignored."""
+        pad = self.pad_id()
+        prompts, completions = np.asarray(prompt_tokens), np.asarray(completion_tokens)
+        starts = [int(np.argmax(row != pad)) if (row != pad).any() else len(row) for row in prompts]
+        ends = [int(np.argmax(row == pad)) if (row == pad).any() else len(row) for row in completions]
+        keep = [i for i, e in enumerate(ends) if e > 0]
+        scores = self.llm.score([prompts[i, starts[i]:].tolist() for i in keep],
+                                [completions[i, :ends[i]].tolist() for i in keep]) if keep else []
+        out = np.zeros(completions.shape, np.float32)
+        for i, lp in zip(keep, scores):
+            out[i, :len(lp)] = lp
+        return jnp.asarray(out)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _tokenize(self, text: str) -> list[int]:
+        """As Tunix's sampler: BOS (when the tokenizer has one), then the text, one BOS kept."""
+        ids = list(self.tokenizer.encode(text))
+        bos = self.tokenizer.bos_id()
+        return self.tokenizer.dedup_bos_ids(([bos] if bos else []) + ids)
+
+    @staticmethod
+    def _sampling_params(config, n: int, eos: tuple, index: int) -> SamplingParams:
+        greedy = config.top_p is None or not config.temperature  # Tunix samples greedily without top_p
+        seed = None if config.seed is None else int(np.asarray(config.seed).ravel()[0]) + index
+        return SamplingParams(max_tokens=config.max_tokens_to_generate, n=n, seed=seed,
+                              temperature=0.0 if greedy else float(config.temperature),
+                              top_p=1.0 if greedy else float(config.top_p),
+                              top_k=0 if greedy or not config.top_k else int(config.top_k),
+                              stop_token_ids=list(eos), logprobs=0 if config.return_logprobs else None)
+
+
+def _runs(prompts: list[str]) -> list[tuple[int, int]]:
+    """(first index, count) of each run of equal consecutive prompts."""
+    runs = []
+    for i, p in enumerate(prompts):
+        if runs and prompts[runs[-1][0]] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+__all__ = ["PagedJaxRollout", "hf_config", "hf_named_weights"]
