@@ -57,7 +57,9 @@ def make_checkpoint(family: str, path: Path, seed: int = 0):
     config_cls, model_cls, extra = FAMILIES.get(family) or MORE_FAMILIES[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**{**COMMON, **extra})
-    model = getattr(transformers, model_cls)(cfg).eval()
+    # the oracle in eager attention: transformers 5.12 (what installs beside google-tunix) runs
+    # Gemma 2 through SDPA, which drops its attention soft-capping (later releases refuse SDPA)
+    model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # biases default to zero: make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

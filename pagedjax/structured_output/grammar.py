@@ -24,7 +24,6 @@ from collections import OrderedDict
 from urllib.parse import unquote
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -185,6 +184,28 @@ class CompiledGrammar:
         self.kind, self.grammar, self._start = kind, grammar, start
 
 
+def _ll_tokenizer(tokenizer, vocab_size: int, eos_token) -> llguidance.LLTokenizer:
+    """llguidance's view of a fast HF tokenizer (its Rust tokenizer's JSON). transformers 5.12
+    (what installs beside google-tunix) wraps a byte-level BPE's decoder in a Sequence
+    (ByteFallback, Fuse, Replace, ByteLevel) that llguidance does not recognise as byte-level,
+    so it would read a token such as 'Ġ"' as those bytes; the plain ByteLevel decoder is
+    restored in the copy handed to llguidance."""
+    import json
+    from copy import copy
+
+    backend = copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") == "Sequence" and (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel":
+        byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        if byte_level:
+            spec["decoder"] = byte_level[0]
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size,
+                                  eos_token=eos_token if eos_token is not None else tokenizer.eos_token_id)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe."""
 
@@ -192,8 +213,7 @@ class GrammarCompiler:
         # vocab_size: the logits' width; ids the tokenizer lacks (vocab_size > len(tokenizer)) never match
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=list(self.eos_token_ids) or None)
+        self._tokenizer = _ll_tokenizer(tokenizer, vocab_size, list(self.eos_token_ids) or None)
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
