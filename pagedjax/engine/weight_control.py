@@ -3,6 +3,7 @@ prefix cache dropped, device memory released and restored, completions scored. A
 LLMEngine (a mixin), kept apart by concern; `WeightSync` (worker/) does the device work."""
 from __future__ import annotations
 
+from pagedjax.engine.request_stream import EngineDeadError
 from pagedjax.sampling_params import SamplingParams
 
 
@@ -78,5 +79,5 @@ class WeightControl:
                                "abort them)")
 
 
-class EngineAsleepError(RuntimeError):
-    """A request reached an engine put to sleep (the server answers 503)."""
+class EngineAsleepError(EngineDeadError):
+    """A request reached an engine put to sleep (unavailable for now: the server answers 503)."""

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from pagedjax.engine.async_engine import AsyncEngine
 from pagedjax.engine.request_stream import EngineDeadError
+from pagedjax.entrypoints.openai.control import add_control_routes
 from pagedjax.entrypoints.openai.errors import APIError, bad_request, from_status
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -276,6 +277,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    add_control_routes(app, async_engine)  # /reset_prefix_cache, /sleep, /wake_up, /is_sleeping
     return app
 
 
