@@ -9,15 +9,14 @@ each checkpoint tensor becomes a column of codes `tensor id << 32 | row`, and th
 the model builds from them says, row by row, which checkpoint row it holds. So the update
 can never disagree with the loader about the layout.
 
-`WeightLayout.assemble` then builds each affected parameter on the device: the rows of the
-given tensors in the parameter's order (one jitted gather per parameter shape, compiled once
-and reused by every layer), cast to the parameter's dtype (quantized with a fresh scale per
-row when the model is), placed with the parameter's own sharding. A parameter only partly
-covered by the given tensors keeps its other rows (a scatter of the new rows).
+`WeightLayout.plan` then says, per affected parameter, which rows of which given tensors
+it takes, in order; `apply_plan` builds them (traced into one compiled update per set of
+names, worker/weight_sync.py): the rows end to end, cast to the parameter's dtype (quantized
+with a fresh scale per row when the model is). A parameter only partly covered by the given
+tensors keeps its other rows (a scatter of the new rows).
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
 
 import jax
@@ -28,7 +27,7 @@ from flax import nnx
 from pagedjax.models.config import GEMMA, ModelConfig
 from pagedjax.models.llama import CausalLM, Placement
 from pagedjax.models.loader import convert_hf_tensors
-from pagedjax.models.quantization import QUANTIZED, _FORMATS
+from pagedjax.models.quantization import _FORMATS
 
 ROW_BITS = 32  # a code is tensor_id << ROW_BITS | row
 
@@ -141,7 +140,7 @@ class WeightLayout:
             if name not in self._ids:
                 problems.append(f"unknown tensor {name!r}")
                 continue
-            shape, dtype = tuple(np.shape(value)), getattr(value, "dtype", None)
+            shape, dtype = tuple(getattr(value, "shape", None) or np.shape(value)), getattr(value, "dtype", None)
             if shape != self.shapes[name]:
                 problems.append(f"{name}: shape {shape}, expected {self.shapes[name]}")
             if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -152,44 +151,73 @@ class WeightLayout:
                              + "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else "")
                              + f" (names are Hugging Face's, e.g. {known})")
 
-    def assemble(self, current: dict[str, jax.Array], weights: Mapping[str, object]) -> dict[str, jax.Array]:
-        """The new value of each parameter (path -> array) that `weights` touch; `current`:
-        path -> the engine's parameter now (its dtype, sharding, and the rows kept)."""
-        given = {self._ids[name]: value for name, value in weights.items()}
-        new = {}
+    def plan(self, names, scale_paths: set[str]) -> tuple["LeafPlan", ...]:
+        """How to write the parameters that the checkpoint tensors `names` touch (host work,
+        done once per set of names): one LeafPlan per touched parameter. scale_paths: the
+        paths of the engine's 8-bit scales (a quantized matrix takes a fresh one)."""
+        ids = {self._ids[n]: k for k, n in enumerate(names)}  # tensor id -> its index in `names`
+        plans = []
         for path, (codes, name, scale_path) in self.codes.items():
-            ids = codes >> ROW_BITS
-            touched = np.isin(ids, list(given))
+            touched = np.isin(codes >> ROW_BITS, list(ids))
             if not touched.any():
                 continue
-            old = current[path]
-            quantized = self.quantization is not None and name in QUANTIZED
-            flat_codes = codes.reshape(-1)
-            if touched.all():
-                runs = _runs(flat_codes)
-                rows = tuple(given[i] for i in sorted({i for i, _, _ in runs}))
-                order = {i: k for k, i in enumerate(sorted({i for i, _, _ in runs}))}
-                runs = tuple((order[i], a, b) for i, a, b in runs)
-                positions = None
+            flat = codes.reshape(-1)
+            positions = None if touched.all() else np.flatnonzero(touched.reshape(-1))
+            runs = tuple((ids[i], a, b) for i, a, b in _runs(flat if positions is None else flat[positions]))
+            plans.append(LeafPlan(path, runs, positions, scale_path if scale_path in scale_paths else None,
+                                  self.gemma and name.endswith("norm")))
+        return tuple(plans)
+
+
+class LeafPlan:
+    """One parameter's update: its rows from runs (index into the given tensors, first row,
+    end row), written whole (positions None) or at `positions` (flat row indices); scale_path:
+    the parameter is 8-bit, quantized afresh with its scale there; gemma: stored as 1 + w."""
+
+    __slots__ = ("path", "runs", "positions", "scale_path", "gemma")
+
+    def __init__(self, path, runs, positions, scale_path, gemma):
+        self.path, self.runs, self.positions, self.scale_path, self.gemma = path, runs, positions, scale_path, gemma
+
+
+def apply_plan(plans, tensors: list, current: dict, quantization: str | None) -> dict:
+    """The new parameters (path -> array) from `tensors` (in the plan's order of names) and
+    the `current` parameters (path -> array: dtypes, shapes, and the rows kept). Pure jnp:
+    traced into one compiled update (worker/weight_sync.py)."""
+    new = {}
+    for plan in plans:
+        old = current[plan.path]
+        flat = jnp.concatenate([jnp.asarray(tensors[k][a:b], jnp.float32) for k, a, b in plan.runs])
+        if plan.gemma:
+            flat = flat + 1.0
+        if plan.scale_path is not None:
+            q, scale = _quantize(flat, quantization)
+            old_scale = current[plan.scale_path]
+            if plan.positions is None:
+                new[plan.path], new[plan.scale_path] = q.reshape(old.shape), scale.reshape(old_scale.shape)
             else:
-                where = np.flatnonzero(touched.reshape(-1))
-                runs = _runs(flat_codes[where])
-                ids_used = sorted({i for i, _, _ in runs})
-                rows = tuple(given[i] for i in ids_used)
-                order = {i: k for k, i in enumerate(ids_used)}
-                runs = tuple((order[i], a, b) for i, a, b in runs)
-                positions = where
-            gemma = self.gemma and name.endswith("norm")
-            if quantized:
-                w, s = _assemble_quantized(rows, runs, old, current[scale_path], positions, self.quantization)
-                new[path], new[scale_path] = w, s
-            else:
-                new[path] = _assemble(rows, runs, old, positions, gemma)
-        return new
+                new[plan.path] = old.reshape(-1, old.shape[-1]).at[plan.positions].set(q).reshape(old.shape)
+                new[plan.scale_path] = old_scale.reshape(-1).at[plan.positions].set(scale).reshape(old_scale.shape)
+        elif plan.positions is None:
+            new[plan.path] = flat.reshape(old.shape).astype(old.dtype)
+        else:
+            tail = old.shape[-1:] if flat.ndim == 2 else ()
+            rows = old.reshape(-1, *tail).at[plan.positions].set(flat.astype(old.dtype))
+            new[plan.path] = rows.reshape(old.shape)
+    return new
+
+
+def _quantize(w, quantization: str):
+    """w [n, in] float32 -> (w_q [n, in], scale [n]) as models.quantization.quantize_weight."""
+    dtype, qmax = _FORMATS[quantization]
+    amax = jnp.abs(w).max(axis=-1)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+    scaled = jnp.clip(w / scale[:, None], -qmax, qmax)
+    return (jnp.rint(scaled).astype(jnp.int8) if quantization == "int8" else scaled.astype(dtype)), scale
 
 
 _MATRIX_LEAVES = frozenset({"embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down", "experts_gate_up", "experts_down",
-                            "router", "shared_gate"})
+                            "router", "shared_gate"})  # [..., rows, cols]: one code per row
 
 
 def _runs(codes: np.ndarray) -> tuple[tuple[int, int, int], ...]:
@@ -199,48 +227,6 @@ def _runs(codes: np.ndarray) -> tuple[tuple[int, int, int], ...]:
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [len(codes)]])
     return tuple((int(ids[a]), int(rows[a]), int(rows[a] + (b - a))) for a, b in zip(starts, ends))
-
-
-def _gather(rows, runs):
-    """The runs' rows of the given tensors, end to end: [n, ...] float32."""
-    return jnp.concatenate([jnp.asarray(rows[k][a:b], jnp.float32) for k, a, b in runs])
-
-
-@functools.partial(jax.jit, static_argnums=(1, 3, 4))
-def _assemble_jit(rows, runs, old, positions_static, gemma, positions):
-    flat = _gather(rows, runs)
-    if gemma:
-        flat = flat + 1.0
-    if positions_static is None:
-        return flat.reshape(old.shape).astype(old.dtype)
-    tail = old.shape[-1:] if flat.ndim == 2 else ()
-    return old.reshape(-1, *tail).at[positions].set(flat.astype(old.dtype)).reshape(old.shape)
-
-
-def _assemble(rows, runs, old, positions, gemma):
-    out = _assemble_jit(rows, runs, old, None if positions is None else len(positions), gemma,
-                        None if positions is None else jnp.asarray(positions))
-    return jax.device_put(out, old.sharding)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 4, 5))
-def _assemble_quantized_jit(rows, runs, old, old_scale, positions_static, quantization, positions):
-    dtype, qmax = _FORMATS[quantization]
-    w = _gather(rows, runs)  # [n, in] float32, as quantize_weight does it
-    amax = jnp.abs(w).max(axis=-1)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
-    scaled = jnp.clip(w / scale[:, None], -qmax, qmax)
-    q = jnp.rint(scaled).astype(jnp.int8) if quantization == "int8" else scaled.astype(dtype)
-    if positions_static is None:
-        return q.reshape(old.shape), scale.reshape(old_scale.shape)
-    q = old.reshape(-1, old.shape[-1]).at[positions].set(q).reshape(old.shape)
-    return q, old_scale.reshape(-1).at[positions].set(scale).reshape(old_scale.shape)
-
-
-def _assemble_quantized(rows, runs, old, old_scale, positions, quantization):
-    w, s = _assemble_quantized_jit(rows, runs, old, old_scale, None if positions is None else len(positions),
-                                   quantization, None if positions is None else jnp.asarray(positions))
-    return jax.device_put(w, old.sharding), jax.device_put(s, old_scale.sharding)
 
 
 def named_arrays(weights: Mapping[str, object] | Iterable[tuple[str, object]]) -> dict[str, object]:

@@ -18,16 +18,17 @@ class WeightControl:
             self._weight_sync = WeightSync(self.runner, self.model)
         return self._weight_sync
 
-    def update_weights(self, weights) -> int:
+    def update_weights(self, weights, transform=None) -> int:
         """Replaces model weights from memory: Hugging Face-named arrays (a mapping or
         (name, array) pairs; jax.Array on any device, or numpy; any subset of the tensors).
         Fused projections, stacked layers, 8-bit re-quantization and tensor-parallel shards are
         handled here. All or nothing: unknown names, wrong shapes or dtypes raise ValueError and
         change nothing. Only between requests (RuntimeError while some run). Compiles no step.
         The prefix cache is dropped (its K/V came from the old weights). Returns the number of
-        engine parameters written."""
+        engine parameters written. transform: a jnp function of `weights` that returns the
+        Hugging Face-named arrays, compiled into the same update (no copy in between)."""
         self._check_idle("update_weights")
-        n = self.weight_sync.update(weights)
+        n = self.weight_sync.update(weights, transform)
         self.reset_prefix_cache()
         self.num_weight_updates += 1
         return n

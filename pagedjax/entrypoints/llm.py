@@ -138,13 +138,15 @@ class LLM:
         return self.engine.stats()
 
     # -- inside a training loop (docs/design/integration.md) ---------------------------------
-    def update_weights(self, weights) -> int:
+    def update_weights(self, weights, transform=None) -> int:
         """New weights from memory between generate calls: Hugging Face-named arrays (a
         mapping or (name, array) pairs; jax.Array on any device or numpy; any subset). The
         engine's layout (fused projections, stacked layers, 8-bit re-quantization, shards) is
         its own business. All or nothing; compiles no step; drops the prefix cache. Returns the
-        number of engine parameters written."""
-        return self.engine.update_weights(weights)
+        number of engine parameters written. transform: a jnp function of `weights` returning
+        the Hugging Face-named arrays (e.g. from a trainer's own layout), compiled into the
+        same update so the weights are read once."""
+        return self.engine.update_weights(weights, transform)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (e.g. after changing the weights by other means)."""

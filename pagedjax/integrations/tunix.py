@@ -73,16 +73,19 @@ def hf_config(actor, max_position_embeddings: int, bos_id: int | None, eos_id: i
             "attention_bias": False, "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": "float32"}
 
 
-def hf_named_weights(state: nnx.State, config: dict) -> dict[str, jax.Array]:
-    """A Tunix Qwen 3 / Llama 3 parameter state -> Hugging Face-named arrays ([out, in]),
-    computed in one jitted program (one pass over the weights)."""
-    flat = {".".join(map(str, path)): var.get_value() if hasattr(var, "get_value") else var
+def flat_params(state: nnx.State) -> dict[str, jax.Array]:
+    """A Tunix parameter state as {"layers.0.attn.q_proj.w": array, ...}."""
+    return {".".join(map(str, path)): var.get_value() if hasattr(var, "get_value") else var
             for path, var in nnx.to_flat_state(state)}
+
+
+def hf_transform(config: dict):
+    """The jnp function: flat Tunix Qwen 3 / Llama 3 parameters -> Hugging Face-named arrays
+    ([out, in]); LLM.update_weights compiles it into the engine's update (one pass)."""
     dims = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
-    return _to_hf(flat, dims)
+    return functools.partial(_to_hf, dims=dims)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
 def _to_hf(flat: dict, dims: tuple) -> dict:
     d, n, k, h = dims
     out = {}
@@ -128,22 +131,26 @@ def _own_mesh(method):
 class PagedJaxRollout(base_rollout.BaseRollout):
     """A Tunix rollout engine on a pagedjax LLM (see the module doc). engine_kwargs: any
     LLM option (block_size, num_blocks, max_num_seqs, kv_cache_memory_gb, ...); a subclass
-    or functools.partial may set them for RLCluster, which passes only Tunix's arguments."""
+    or functools.partial may set them for RLCluster, which passes only Tunix's arguments.
+    share_prompts=False runs every sample as its own request (for comparisons)."""
 
     @_own_mesh
-    def __init__(self, rollout_actor=None, tokenizer=None, mesh=None, rollout_config=None, **engine_kwargs):
+    def __init__(self, rollout_actor=None, tokenizer=None, mesh=None, rollout_config=None, share_prompts: bool = True,
+                 **engine_kwargs):
         if rollout_actor is None or tokenizer is None:
             raise ValueError("PagedJaxRollout needs rollout_actor (a Tunix Qwen 3 / Llama 3 model) and tokenizer")
         from tunix.generate.tokenizer_adapter import TokenizerAdapter
 
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(tokenizer)
         self.mesh = mesh
+        self.share_prompts = share_prompts
         config = rollout_config or base_rollout.RolloutConfig()
         state = nnx.state(rollout_actor, nnx.Param)
         leaf_dtype = jax.tree.leaves(state)[0].dtype
         dtype = jnp.dtype(config.data_type or leaf_dtype).name
         max_len = max(config.kv_cache_size or 0, config.max_prompt_length + config.max_tokens_to_generate)
         self._config = hf_config(rollout_actor, max_len, self.tokenizer.bos_id(), self.tokenizer.eos_id())
+        self._transform = hf_transform(self._config)  # one function object: its compiled update is reused
         self._dir = tempfile.TemporaryDirectory(prefix="pagedjax-tunix-")
         (Path(self._dir.name) / "config.json").write_text(json.dumps(self._config))
         engine_kwargs.setdefault("max_num_seqs", 64)
@@ -174,7 +181,7 @@ class PagedJaxRollout(base_rollout.BaseRollout):
             raise NotImplementedError("PagedJaxRollout does not take qwix LoRA actors yet (merge the adapter into "
                                       "the weights, or use Tunix's VanillaRollout)")
         with jax.transfer_guard("allow"):  # Tunix syncs inside "disallow_explicit" on CPU
-            self.llm.update_weights(hf_named_weights(params, self._config))
+            self.llm.update_weights(flat_params(params), transform=self._transform)
 
     @_own_mesh
     def generate(self, prompts, rollout_config, **kwargs) -> base_rollout.RolloutOutput:
@@ -187,7 +194,7 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         if pad_to is None or pad_to < width:  # as Tunix's sampler: the next power of two
             pad_to = 1 << (width - 1).bit_length()
         eos = tuple(rollout_config.eos_tokens or (self.eos_id(),))
-        groups = _runs(prompts)  # (first index, count)
+        groups = _runs(prompts) if self.share_prompts else [(i, 1) for i in range(len(prompts))]  # (first, count)
         params = [self._sampling_params(rollout_config, count, eos, first) for first, count in groups]
         outs = self.llm.generate([ids[first] for first, _ in groups], params, use_tqdm=False)
         tokens, logprobs = [], []
@@ -251,4 +258,4 @@ def _runs(prompts: list[str]) -> list[tuple[int, int]]:
     return runs
 
 
-__all__ = ["PagedJaxRollout", "hf_config", "hf_named_weights"]
+__all__ = ["PagedJaxRollout", "flat_params", "hf_config", "hf_transform"]

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.models.kv_cache import init_kv_cache
-from pagedjax.models.weight_update import WeightLayout, named_arrays
+from pagedjax.models.weight_update import WeightLayout, apply_plan, named_arrays
 
 
 class WeightSync:
@@ -23,24 +23,64 @@ class WeightSync:
         self._index = {path: i for i, path in enumerate(self._paths)}
         self.sleep_level = 0  # 0: awake; 1: KV pool released; 2: the weights too (kept on the host)
         self._host_weights: list[np.ndarray] | None = None
+        self._programs: dict = {}  # (names, transform) -> (the compiled update, its LeafPlans)
 
-    def update(self, weights) -> int:
+    def update(self, weights, transform=None) -> int:
         """Replaces the given tensors (Hugging Face names; a mapping or (name, array) pairs;
-        jax.Array or numpy, any subset) in the runner's weights, all or nothing. Returns the
-        number of engine parameters written."""
-        weights = named_arrays(weights)
-        if not weights:
-            raise ValueError("update_weights: no tensors given")
-        self.layout.check(weights)
+        jax.Array or numpy, any subset) in the runner's weights, all or nothing, in one
+        compiled program per set of names (compiled at its first use). transform: a jnp
+        function of `weights` returning the Hugging Face-named arrays, traced into the same
+        program (a trainer's own layout converted on the way, with no copy in between).
+        Returns the number of engine parameters written."""
+        if transform is None:
+            weights = named_arrays(weights)
+            if not weights:
+                raise ValueError("update_weights: no tensors given")
+            hf_shapes = weights
+        else:
+            hf_shapes = jax.eval_shape(transform, weights)
+        self.layout.check(hf_shapes)
         if self.sleep_level >= 2:
             raise RuntimeError("the weights are asleep (sleep(level=2)): call wake_up() before update_weights")
-        current = {path: self.runner._weights[i] for path, i in self._index.items()}
-        new = self.layout.assemble(current, weights)  # every new array is built before any is swapped in
+        names = tuple(sorted(hf_shapes))
+        program, plans = self._program(names, transform)
+        weights = jax.tree.map(self._onto_mesh, weights)
+        touched = sorted({p.path for p in plans} | {p.scale_path for p in plans if p.scale_path})
+        current = {path: self.runner._weights[self._index[path]] for path in touched}
+        new = program(weights, current)  # every new array is built before any is swapped in
         leaves = list(self.runner._weights)
         for path, value in new.items():
             leaves[self._index[path]] = value
         self._install(leaves)
         return len(new)
+
+    def _onto_mesh(self, x):
+        """An array committed to devices outside the engine's mesh is copied onto it
+        (replicated) first; numpy and arrays already there go as they are."""
+        devices = set(self.runner.mesh.devices.flat)
+        if isinstance(x, jax.Array) and not x.sharding.device_set <= devices:
+            return jax.device_put(x, self.runner._replicated)
+        return x
+
+    def _program(self, names: tuple, transform):
+        """The compiled update for this set of names (and transform), made once."""
+        key = (names, transform)
+        if key not in self._programs:
+            scales = {p for p in self._index if p.endswith("_scale'].value") or p.endswith("_scale']")}
+            plans = self.layout.plan(names, scales)
+            quantization = self.layout.quantization
+            shardings = {}
+            for plan in plans:
+                for path in (plan.path, plan.scale_path):
+                    if path is not None:
+                        shardings[path] = self.runner._weights[self._index[path]].sharding
+
+            def run(weights, current):
+                hf = weights if transform is None else transform(weights)
+                return apply_plan(plans, [hf[n] for n in names], current, quantization)
+
+            self._programs[key] = jax.jit(run, out_shardings=shardings), plans
+        return self._programs[key]
 
     def _install(self, leaves: list) -> None:
         """The runner steps with `leaves` from now on; the model object holds them too (no
