@@ -63,7 +63,8 @@ class WeightControl:
         if self.sleep_level:
             raise EngineAsleepError(f"the engine is asleep (sleep level {self.sleep_level}): call wake_up() first")
 
-    def add_score_request(self, request_id: str, prompt_ids: list[int], completion_ids: list[int]) -> None:
+    def add_score_request(self, request_id: str, prompt_ids: list[int], completion_ids: list[int],
+                          lora_request=None) -> None:
         """Queues the scoring of completion_ids after prompt_ids: the model's log-probability of
         each completion token (one prefill through the scheduler, chunked like any prompt; the
         prompt's blocks may come from the prefix cache). Its output's prompt_logprobs hold them
@@ -71,7 +72,8 @@ class WeightControl:
         if not completion_ids:
             raise ValueError("nothing to score: the completion is empty")
         self.add_request(request_id, list(prompt_ids) + list(completion_ids),
-                         SamplingParams(max_tokens=0, prompt_logprobs=0), score_from=len(prompt_ids))
+                         SamplingParams(max_tokens=0, prompt_logprobs=0), score_from=len(prompt_ids),
+                         lora_request=lora_request)
 
     def _check_idle(self, what: str) -> None:
         if self.has_unfinished_requests():

@@ -162,16 +162,17 @@ class LLM:
         self.engine.wake_up()
 
     def score(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-              use_tqdm: bool = False) -> list[np.ndarray]:
+              use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[np.ndarray]:
         """The model's log-probability of each completion token after its prompt (token ids):
         one float32 array [len(completion)] per pair, raw log_softmax of the logits (no
         temperature). Batched through the scheduler like prompts (chunked prefill; a prompt's
-        blocks may come from the prefix cache, e.g. n completions of one prompt)."""
+        blocks may come from the prefix cache, e.g. n completions of one prompt). lora_request:
+        score with that adapter (enable_lora)."""
         prompts, completions = [list(p) for p in prompts], [list(c) for c in completions]
         if len(prompts) != len(completions):
             raise ValueError(f"got {len(prompts)} prompts and {len(completions)} completions; give one of each per pair")
         ids = [f"score-{next(self._ids)}" for _ in prompts]
-        self._add_all(ids, lambda i: self.engine.add_score_request(ids[i], prompts[i], completions[i]))
+        self._add_all(ids, lambda i: self.engine.add_score_request(ids[i], prompts[i], completions[i], lora_request))
         outs = self._run(ids, use_tqdm, "scoring", count_tokens=False)
         return [np.array([entry[tok] for entry, tok in zip(out.prompt_logprobs[len(p):], c)], np.float32)
                 for out, p, c in zip(outs, prompts, completions)]

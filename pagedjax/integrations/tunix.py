@@ -10,9 +10,10 @@ tokenized as Tunix's own sampler does (BOS, then the text), so greedy rollouts e
 VanillaRollout token for token; identical prompts (Tunix repeats each one per generation)
 run as one request with n samples that share the prompt's KV blocks.
 
-Not supported yet: qwix LoRA actors (update_params refuses LoRA-only states), Tunix's
-offload_to_cpu (use `rollout.llm.sleep()` to free the engine's memory instead),
-mixture-of-experts Qwen 3.
+A qwix LoRA actor runs as the base weights plus a pagedjax LoRA adapter: Tunix then syncs
+only the LoRA matrices, and only they move (written as a PEFT adapter, loaded into the
+engine's LoRA slot). Not supported yet: Tunix's offload_to_cpu (use `rollout.llm.sleep()` to
+free the engine's memory instead), mixture-of-experts Qwen 3.
 """
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def _rope_theta(actor, family: str) -> float:
     """The RoPE base the actor's attention really uses: Tunix 0.1.7 calls apply_rope without
     the config's rope_theta (so its default, 1e6, applies), and the engine must compute what
     the trained model computes."""
-    module = inspect.getmodule(type(actor))
+    import importlib
+
+    module = importlib.import_module(f"tunix.models.{family}.model")  # (a qwix LoRA actor's class is made anew)
     attention = module.Attention.__call__
     if "rope_theta" in inspect.getsource(attention):
         return float(actor.config.rope_theta)
@@ -132,11 +135,14 @@ class PagedJaxRollout(base_rollout.BaseRollout):
     """A Tunix rollout engine on a pagedjax LLM (see the module doc). engine_kwargs: any
     LLM option (block_size, num_blocks, max_num_seqs, kv_cache_memory_gb, ...); a subclass
     or functools.partial may set them for RLCluster, which passes only Tunix's arguments.
-    share_prompts=False runs every sample as its own request (for comparisons)."""
+    share_prompts=False runs every sample as its own request (for comparisons).
+    A qwix LoRA actor (its LoRA matrices nnx.LoRAParam) runs as the base weights plus a pagedjax
+    LoRA adapter: give lora_alpha, the qwix LoraProvider's alpha (its scale is alpha / rank;
+    qwix does not store it on the model), e.g. functools.partial(PagedJaxRollout, lora_alpha=8.0)."""
 
     @_own_mesh
     def __init__(self, rollout_actor=None, tokenizer=None, mesh=None, rollout_config=None, share_prompts: bool = True,
-                 **engine_kwargs):
+                 lora_alpha: float | None = None, **engine_kwargs):
         if rollout_actor is None or tokenizer is None:
             raise ValueError("PagedJaxRollout needs rollout_actor (a Tunix Qwen 3 / Llama 3 model) and tokenizer")
         from tunix.generate.tokenizer_adapter import TokenizerAdapter
@@ -145,7 +151,18 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         self.mesh = mesh
         self.share_prompts = share_prompts
         config = rollout_config or base_rollout.RolloutConfig()
-        state = nnx.state(rollout_actor, nnx.Param)
+        state = nnx.state(rollout_actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+        lora = nnx.state(rollout_actor, nnx.LoRAParam)
+        self._lora = None  # the adapter's LoRARequest, when the actor has LoRA matrices
+        self._lora_alpha, self._lora_dirs = lora_alpha, []
+        if jax.tree.leaves(lora):
+            if lora_alpha is None:
+                raise ValueError("the actor has qwix LoRA matrices: give PagedJaxRollout lora_alpha (the "
+                                 "LoraProvider's alpha), e.g. functools.partial(PagedJaxRollout, lora_alpha=8.0)")
+            targets = sorted({str(path[-2]) for path, _ in nnx.to_flat_state(lora)})
+            engine_kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
+                                 max_lora_rank=max(_lora_rank(lora), engine_kwargs.get("max_lora_rank", 0)),
+                                 lora_target_modules=targets)
         leaf_dtype = jax.tree.leaves(state)[0].dtype
         dtype = jnp.dtype(config.data_type or leaf_dtype).name
         max_len = max(config.kv_cache_size or 0, config.max_prompt_length + config.max_tokens_to_generate)
@@ -157,6 +174,8 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         self.llm = LLM(self._dir.name, load_format="dummy", dtype=dtype, max_model_len=max_len,
                        warmup=engine_kwargs.pop("warmup", False), **engine_kwargs)
         self.update_params(state)
+        if jax.tree.leaves(lora):
+            self.update_params(lora)
 
     # -- Tunix's interface ------------------------------------------------------------------
     def model(self):
@@ -177,11 +196,14 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         """Takes the actor's new parameters (a Tunix Qwen 3 / Llama 3 nnx.State, or the subset
         it trains): converted to Hugging Face names on the device and written into the engine
         (LLM.update_weights: no compilation of a step, the prefix cache dropped)."""
-        if any(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(params)):
-            raise NotImplementedError("PagedJaxRollout does not take qwix LoRA actors yet (merge the adapter into "
-                                      "the weights, or use Tunix's VanillaRollout)")
+        flat = list(nnx.to_flat_state(params))
+        lora = [(path, v) for path, v in flat if isinstance(v, nnx.LoRAParam)]
+        base = [(path, v) for path, v in flat if not isinstance(v, nnx.LoRAParam)]
         with jax.transfer_guard("allow"):  # Tunix syncs inside "disallow_explicit" on CPU
-            self.llm.update_weights(flat_params(params), transform=self._transform)
+            if base:
+                self.llm.update_weights(flat_params(nnx.from_flat_state(base)), transform=self._transform)
+            if lora:
+                self._load_adapter(lora)
 
     @_own_mesh
     def generate(self, prompts, rollout_config, **kwargs) -> base_rollout.RolloutOutput:
@@ -196,7 +218,7 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         eos = tuple(rollout_config.eos_tokens or (self.eos_id(),))
         groups = _runs(prompts) if self.share_prompts else [(i, 1) for i in range(len(prompts))]  # (first, count)
         params = [self._sampling_params(rollout_config, count, eos, first) for first, count in groups]
-        outs = self.llm.generate([ids[first] for first, _ in groups], params, use_tqdm=False)
+        outs = self.llm.generate([ids[first] for first, _ in groups], params, use_tqdm=False, lora_request=self._lora)
         tokens, logprobs = [], []
         for out in outs:
             for seq in out.outputs:
@@ -223,13 +245,29 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         ends = [int(np.argmax(row == pad)) if (row == pad).any() else len(row) for row in completions]
         keep = [i for i, e in enumerate(ends) if e > 0]
         scores = self.llm.score([prompts[i, starts[i]:].tolist() for i in keep],
-                                [completions[i, :ends[i]].tolist() for i in keep]) if keep else []
+                                [completions[i, :ends[i]].tolist() for i in keep], lora_request=self._lora) if keep else []
         out = np.zeros(completions.shape, np.float32)
         for i, lp in zip(keep, scores):
             out[i, :len(lp)] = lp
         return jnp.asarray(out)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _load_adapter(self, lora: list) -> None:
+        """The qwix LoRA matrices as a PEFT adapter (only the adapter's bytes move), served in
+        place of the previous one: a new id each time (the engine's adapters are immutable)."""
+        from pagedjax.lora.request import LoRARequest
+
+        path = Path(self._dir.name) / f"adapter-{len(self._lora_dirs)}"
+        path.mkdir()
+        rank = write_peft_adapter(lora, self._config, self._lora_alpha, path)
+        new = LoRARequest("tunix-actor", len(self._lora_dirs) + 1, str(path))
+        self.llm.engine.add_lora(new)
+        old, self._lora = self._lora, new
+        self._lora_dirs.append(path)
+        if old is not None:
+            self.llm.engine.remove_lora(old.lora_int_id)
+        self.lora_rank = rank
+
     def _tokenize(self, text: str) -> list[int]:
         """As Tunix's sampler: BOS (when the tokenizer has one), then the text, one BOS kept."""
         ids = list(self.tokenizer.encode(text))
@@ -245,6 +283,38 @@ class PagedJaxRollout(base_rollout.BaseRollout):
                               top_p=1.0 if greedy else float(config.top_p),
                               top_k=0 if greedy or not config.top_k else int(config.top_k),
                               stop_token_ids=list(eos), logprobs=0 if config.return_logprobs else None)
+
+
+def _lora_rank(lora: nnx.State) -> int:
+    return max(int(np.shape(v.get_value())[-1]) for path, v in nnx.to_flat_state(lora)
+               if str(path[-1]).endswith("lora_a"))
+
+
+def write_peft_adapter(lora: list, config: dict, alpha: float, path: Path) -> int:
+    """qwix LoRA matrices ((path, LoRAParam) of a Tunix Qwen 3 / Llama 3) -> a PEFT adapter in
+    `path` (lora_A [r, in], lora_B [out, r], lora_alpha = alpha: PEFT's scale alpha / r is
+    qwix's). Returns the rank."""
+    from safetensors.numpy import save_file
+
+    d, n, k, h = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+                  config["head_dim"])
+    tensors, targets, rank = {}, set(), 0
+    for key, var in lora:
+        *_, layer, block, proj, kind = map(str, key)  # layers.{i}.attn.q_proj.w_lora_a
+        x = np.asarray(var.get_value(), np.float32)
+        module = ("self_attn." if block == "attn" else "mlp.") + proj
+        if kind.endswith("lora_a"):
+            mat = x.reshape(n * h, -1).T if proj == "o_proj" else x.T  # [r, in]
+            rank = max(rank, mat.shape[0])
+            tensors[f"base_model.model.model.layers.{layer}.{module}.lora_A.weight"] = np.ascontiguousarray(mat)
+        else:
+            mat = x.reshape(x.shape[0], -1).T  # [out, r]
+            tensors[f"base_model.model.model.layers.{layer}.{module}.lora_B.weight"] = np.ascontiguousarray(mat)
+        targets.add(proj)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                                                           "target_modules": sorted(targets)}))
+    return rank
 
 
 def _runs(prompts: list[str]) -> list[tuple[int, int]]:

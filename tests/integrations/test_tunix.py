@@ -120,3 +120,50 @@ def test_grpo_trains_with_pagedjax_rollouts(tokenizer, default_tokenizer):
     assert rollout.llm.engine.num_weight_updates >= 3  # construction + each step's sync
     with jax.set_mesh(mesh):
         _assert_same_rollouts(_vanilla(trained, tokenizer).generate(PROMPTS, GREEDY), rollout.generate(PROMPTS, GREEDY))
+
+
+def test_lora_actor_moves_only_adapter_bytes(tokenizer):
+    """A qwix LoRA actor: its rollouts equal the vanilla rollout of the same LoRA actor, and a
+    LoRA-only update_params (what Tunix sends when only the adapter trains) writes no base
+    weight, only the adapter."""
+    import functools
+
+    import qwix
+
+    mesh = make_mesh()
+    base = tiny_actor(mesh, "qwen3", seed=4)
+    provider = qwix.LoraProvider(module_path=".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj",
+                                 rank=4, alpha=8.0)
+    with jax.set_mesh(mesh):
+        actor = qwix.apply_lora_to_model(base, provider, **base.get_model_input())
+    _perturb_lora(actor, seed=0)
+    with jax.set_mesh(mesh):
+        vanilla = _vanilla(actor, tokenizer)
+        with pytest.raises(ValueError, match="lora_alpha"):
+            PagedJaxRollout(rollout_actor=actor, tokenizer=tokenizer, mesh=mesh, rollout_config=GREEDY, **ENGINE)
+        engine = functools.partial(PagedJaxRollout, lora_alpha=8.0)
+        ours = engine(rollout_actor=actor, tokenizer=tokenizer, mesh=mesh, rollout_config=GREEDY, **ENGINE)
+        before = ours.generate(PROMPTS, GREEDY)
+        _assert_same_rollouts(vanilla.generate(PROMPTS, GREEDY), before)
+        weights = list(ours.llm.engine.runner._weights)
+        updates = ours.llm.engine.num_weight_updates
+        _perturb_lora(actor, seed=1)
+        lora_state = nnx.state(actor, nnx.LoRAParam)
+        vanilla.update_params(lora_state, (nnx.LoRAParam,))
+        ours.update_params(lora_state, (nnx.LoRAParam,))
+        after = ours.generate(PROMPTS, GREEDY)
+        _assert_same_rollouts(vanilla.generate(PROMPTS, GREEDY), after)
+    assert [t.tolist() for t in after.tokens] != [t.tolist() for t in before.tokens]
+    assert ours.llm.engine.num_weight_updates == updates  # no base weight written
+    assert all(a is b for a, b in zip(weights, ours.llm.engine.runner._weights))
+    assert [l.lora_int_id for l in ours.llm.engine.list_loras()] == [2]  # the old adapter is gone
+
+
+def _perturb_lora(model, seed):
+    flat = list(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+    key = jax.random.key(seed)
+    for _, var in flat:
+        key, sub = jax.random.split(key)
+        old = var.get_value()
+        var.set_value(jax.device_put(0.3 * jax.random.normal(sub, old.shape, old.dtype), old.sharding))
+    nnx.update(model, nnx.from_flat_state(flat))
