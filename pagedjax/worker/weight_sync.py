@@ -55,10 +55,11 @@ class WeightSync:
         return len(new)
 
     def _onto_mesh(self, x):
-        """An array committed to devices outside the engine's mesh is copied onto it
-        (replicated) first; numpy and arrays already there go as they are."""
+        """An array on other devices than the engine's mesh (a subset included: one jitted
+        program takes inputs and outputs on one set of devices) is copied onto the mesh
+        (replicated) first; numpy and arrays on the mesh's devices go as they are."""
         devices = set(self.runner.mesh.devices.flat)
-        if isinstance(x, jax.Array) and not x.sharding.device_set <= devices:
+        if isinstance(x, jax.Array) and x.sharding.device_set != devices:
             return jax.device_put(x, self.runner._replicated)
         return x
 

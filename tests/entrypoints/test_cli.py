@@ -90,7 +90,7 @@ def test_llm_signature_lists_every_engine_option():
     from pagedjax.config import EngineConfig
 
     params = inspect.signature(LLM).parameters
-    assert list(params) == [f.name for f in fields(EngineConfig)] + ["warmup"]
+    assert list(params) == [f.name for f in fields(EngineConfig)] + ["warmup", "weights"]
     assert all(params[f.name].default == f.default for f in fields(EngineConfig))
 
 
