@@ -13,7 +13,10 @@ from pagedjax.entrypoints.openai.errors import APIError, bad_request
 def add_control_routes(app: FastAPI, async_engine) -> None:
     engine = async_engine.engine
 
-    async def run(fn, *args):
+    async def run(name: str, *args):
+        fn = getattr(engine, name, None)
+        if fn is None:  # an engine without the capability (e.g. a test double)
+            raise bad_request(f"this server's engine does not support {name}")
         try:
             return await async_engine.call(fn, *args)
         except EngineDeadError as exc:
@@ -23,7 +26,7 @@ def add_control_routes(app: FastAPI, async_engine) -> None:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        await run(engine.reset_prefix_cache)
+        await run("reset_prefix_cache")
         return JSONResponse({"status": "ok"})
 
     @app.post("/sleep")
@@ -31,14 +34,15 @@ def add_control_routes(app: FastAPI, async_engine) -> None:
         level = request.query_params.get("level", "1")
         if level not in ("1", "2"):
             raise bad_request(f"level must be 1 (KV pool) or 2 (KV pool and weights), got {level!r}", "level")
-        await run(engine.sleep, int(level))
+        await run("sleep", int(level))
         return JSONResponse({"status": "ok", "sleep_level": int(level)})
 
     @app.post("/wake_up")
     async def wake_up():
-        await run(engine.wake_up)
+        await run("wake_up")
         return JSONResponse({"status": "ok"})
 
     @app.get("/is_sleeping")
     async def is_sleeping():
-        return JSONResponse({"is_sleeping": engine.sleep_level > 0, "sleep_level": engine.sleep_level})
+        level = getattr(engine, "sleep_level", 0)
+        return JSONResponse({"is_sleeping": level > 0, "sleep_level": level})
