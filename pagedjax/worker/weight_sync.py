@@ -34,6 +34,8 @@ class WeightSync:
         Returns the number of engine parameters written."""
         if transform is None:
             weights = named_arrays(weights)
+            if self.model.config.tie_word_embeddings:  # a tied model's state dict may list it: it is the embedding
+                weights.pop("lm_head.weight", None)
             if not weights:
                 raise ValueError("update_weights: no tensors given")
             hf_shapes = weights
