@@ -86,6 +86,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated (their last token is masked after the rest)
     allowed_token_ids: list[int] | None = None  # only these may be generated
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True  # False: token ids (and logprobs) only, no text (RL rollouts)
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -93,6 +94,10 @@ class SamplingParams:
         can never make a step fail."""
         if not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= MAX_INT32:
             raise ValueError(f"max_tokens must be an integer in [0, {MAX_INT32}], got {self.max_tokens!r}")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be True or False, got {self.detokenize!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings are matched in the text: they need detokenize=True")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_tokens may be 0 only with prompt_logprobs (scoring a prompt)")
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:

@@ -72,7 +72,8 @@ class OutputProcessor:
         group = _Group(request_id, prompt, list(ids), params)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
-        incremental = self.tokenizer is not None and (self.stream_text or bool(params.stop_strings))
+        incremental = (self.tokenizer is not None and params.detokenize
+                       and (self.stream_text or bool(params.stop_strings)))
         for i, req in enumerate(reqs):
             seq = _Sequence(req, i, IncrementalDetokenizer(self.tokenizer, ids) if incremental else None,
                             params.uses_token_mask)
@@ -182,7 +183,7 @@ class OutputProcessor:
     def _text(self, seq: _Sequence) -> str:
         req = seq.req
         if seq.detok is None:
-            if not req.is_finished or self.tokenizer is None:
+            if not req.is_finished or self.tokenizer is None or not req.params.detokenize:
                 return ""
             if not seq.text:
                 seq.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

@@ -188,7 +188,7 @@ def verify_drafts(x0, p: SamplingInputs, greedy=None):
         p_draft = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), d[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(_keys(p, 1))
         without = jnp.where(jnp.arange(x.shape[-1])[None, :] == d[:, None], -jnp.inf, x)
-        redraw = jax.vmap(jax.random.categorical)(_keys(p, 2), without).astype(jnp.int32)
+        redraw = inverse_cdf(without, jax.vmap(jax.random.uniform)(_keys(p, 2)))
         hot = p.temperature > 0
         return jnp.where(hot, u < p_draft, greedy == d), jnp.where(hot, redraw, greedy)
 

@@ -24,6 +24,7 @@ class WeightSync:
         self.sleep_level = 0  # 0: awake; 1: KV pool released; 2: the weights too (kept on the host)
         self._host_weights: list[np.ndarray] | None = None
         self._programs: dict = {}  # (names, transform) -> (the compiled update, its LeafPlans)
+        self._transformed: dict = {}  # (transform, input structure and shapes) -> its outputs' shapes
 
     def update(self, weights, transform=None) -> int:
         """Replaces the given tensors (Hugging Face names; a mapping or (name, array) pairs;
@@ -39,8 +40,12 @@ class WeightSync:
             if not weights:
                 raise ValueError("update_weights: no tensors given")
             hf_shapes = weights
-        else:
-            hf_shapes = jax.eval_shape(transform, weights)
+        else:  # traced once per (transform, input shapes): a sync's host work stays small
+            key = (transform, jax.tree.structure(weights),
+                   tuple((x.shape, x.dtype) for x in jax.tree.leaves(weights)))
+            if key not in self._transformed:
+                self._transformed[key] = jax.eval_shape(transform, weights)
+            hf_shapes = self._transformed[key]
         self.layout.check(hf_shapes)
         if self.sleep_level >= 2:
             raise RuntimeError("the weights are asleep (sleep(level=2)): call wake_up() before update_weights")

@@ -143,3 +143,21 @@ def test_score_equals_transformers(tiny_checkpoints):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     with pytest.raises(ValueError, match="nothing to score"):
         llm.score([prompt], [[]])
+
+
+def test_rl_shaped_generation(default_model_path):
+    """GRPO-shaped: n samples of one prompt fork from its blocks, each with its sampled
+    tokens' log-probs, no text when detokenize=False, reproducible from the seed."""
+    llm = LLM(str(default_model_path), max_num_seqs=8, max_model_len=256, warmup=False)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, logprobs=0, detokenize=False,
+                            ignore_eos=True)
+    prompt = "Write a short poem about the sea."
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and llm.stats()["num_forks"] >= 3
+    for seq, same in zip(out.outputs, again.outputs):
+        assert seq.text == "" and len(seq.token_ids) == 12 and seq.token_ids == same.token_ids
+        assert [set(lp) >= {t} for lp, t in zip(seq.logprobs, seq.token_ids)] == [True] * 12
+    assert len({tuple(s.token_ids) for s in out.outputs}) > 1
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["\n"], detokenize=False)
