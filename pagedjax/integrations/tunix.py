@@ -296,8 +296,7 @@ def write_peft_adapter(lora: list, config: dict, alpha: float, path: Path) -> in
     qwix's). Returns the rank."""
     from safetensors.numpy import save_file
 
-    d, n, k, h = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
-                  config["head_dim"])
+    n, h = config["num_attention_heads"], config["head_dim"]
     tensors, targets, rank = {}, set(), 0
     for key, var in lora:
         *_, layer, block, proj, kind = map(str, key)  # layers.{i}.attn.q_proj.w_lora_a

@@ -1,7 +1,6 @@
 """Tiny random Tunix models (Qwen 3, Llama 3) on a one-device mesh, for the Tunix tests."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 VOCAB = 49152  # the default model's tokenizer (SmolLM2)
