@@ -120,7 +120,7 @@ class OutputProcessor:
                 group = self._group_of.get(req.request_id)
                 if group is not None and group.prompt_logprobs is not None and start < req.num_prompt_tokens:
                     for pos, entry in prompt_logprobs.entries(plp, off, range(start, start + q), req.prompt_token_ids,
-                                                              req.params.prompt_logprobs):
+                                                              req.params.prompt_logprobs, req.prompt_logprobs_from):
                         group.prompt_logprobs[pos] = entry
                 off += q
 

@@ -28,6 +28,7 @@ class WeightControl:
         engine parameters written. transform: a jnp function of `weights` that returns the
         Hugging Face-named arrays, compiled into the same update (no copy in between)."""
         self._check_idle("update_weights")
+        self.runner.wait_for_warmup()  # a background warm-up steps with the weights and the pool
         n = self.weight_sync.update(weights, transform)
         self.reset_prefix_cache()
         self.num_weight_updates += 1
@@ -43,8 +44,10 @@ class WeightControl:
     def sleep(self, level: int = 1) -> None:
         """Releases device memory while the process does other work (e.g. trains): level 1 the
         KV pool, level 2 the weights too (kept on the host). Requests are refused until
-        `wake_up()`; only between requests (RuntimeError while some run)."""
+        `wake_up()`; only between requests (RuntimeError while some run). A background
+        warm-up still compiling is finished first."""
         self._check_idle("sleep")
+        self.runner.wait_for_warmup()  # its steps read the pool and the weights sleep releases
         self.weight_sync.sleep(level)
         self.reset_prefix_cache()  # the pool's contents are gone
 

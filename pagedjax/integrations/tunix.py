@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -238,11 +239,13 @@ class PagedJaxRollout(base_rollout.BaseRollout):
     @_own_mesh
     def get_per_token_logps(self, prompt_tokens, completion_tokens) -> jax.Array:
         """log p(completion token | the prompt and completion before it) [B, C] float32, 0
-        where the completion is padding; left padding of the prompts ignored."""
+        on the completions' trailing padding; the prompts' left padding ignored."""
         pad = self.pad_id()
         prompts, completions = np.asarray(prompt_tokens), np.asarray(completion_tokens)
         starts = [int(np.argmax(row != pad)) if (row != pad).any() else len(row) for row in prompts]
-        ends = [int(np.argmax(row == pad)) if (row == pad).any() else len(row) for row in completions]
+        # the completion ends before its trailing padding (a pad token inside it, where pad is
+        # not EOS, is a token like any other)
+        ends = [len(row) - int(np.argmax(row[::-1] != pad)) if (row != pad).any() else 0 for row in completions]
         keep = [i for i, e in enumerate(ends) if e > 0]
         scores = self.llm.score([prompts[i, starts[i]:].tolist() for i in keep],
                                 [completions[i, :ends[i]].tolist() for i in keep], lora_request=self._lora) if keep else []
@@ -264,8 +267,9 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         self.llm.engine.add_lora(new)
         old, self._lora = self._lora, new
         self._lora_dirs.append(path)
-        if old is not None:
+        if old is not None:  # forgotten by the engine (its host copy was read): its files go too
             self.llm.engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
         self.lora_rank = rank
 
     def _tokenize(self, text: str) -> list[int]:

@@ -61,13 +61,17 @@ def compute(logits_fn, hidden, prompt_next, dp: int = 1) -> PromptLogprobs:
     return PromptLogprobs(back(chosen), back(ids), back(lps))
 
 
-def entries(plp, offset: int, positions: range, prompt_ids: list[int], k: int) -> list[tuple[int, dict[int, float]]]:
+def entries(plp, offset: int, positions: range, prompt_ids: list[int], k: int,
+            first: int = 0) -> list[tuple[int, dict[int, float]]]:
     """(prompt index, {token: logprob}) for the prompt tokens that follow `positions`, read
-    from host PromptLogprobs rows starting at `offset` (the chunk's first token in the step)."""
+    from host PromptLogprobs rows starting at `offset` (the chunk's first token in the step);
+    none below prompt index `first` (nobody asked: next_tokens' `first`)."""
     out = []
     for j, pos in enumerate(positions):
         if pos + 1 >= len(prompt_ids):
             break
+        if pos + 1 < first:
+            continue
         row = offset + j
         entry = {int(a): float(b) for a, b in zip(plp.top_ids[row, :k], plp.top_logprobs[row, :k])}
         entry[int(prompt_ids[pos + 1])] = float(plp.logprobs[row])

@@ -211,3 +211,23 @@ def test_inverse_cdf_draws_follow_the_softmax():
     np.testing.assert_array_less(np.abs(got - want), 4 * np.sqrt(want * (1 - want) / n) + 1e-9)
     edge = np.asarray(inverse_cdf(x[None], jnp.array([0.0])))  # u = 0: the last token with mass, never one without
     assert edge[0] == 5
+
+
+def test_inverse_cdf_keeps_the_tail_of_a_large_vocabulary():
+    """One dominant token and 60k tail tokens of relative probability 5e-8 each (0.3% of the
+    mass together), each below half an ulp of a running sum near 1: a sequential float32
+    running sum would round them away; the draw keeps their mass."""
+    import jax
+    import jax.numpy as jnp
+
+    from pagedjax.sample.sampler import inverse_cdf
+
+    v, n, chunk = 60_000, 4_000, 500
+    x = jnp.full((v,), -16.8, jnp.float32).at[7].set(0.0)
+    tail = float(1 - jax.nn.softmax(x)[7])
+    draw = jax.jit(lambda u: inverse_cdf(jnp.broadcast_to(x, (chunk, v)), u))
+    u = jax.random.uniform(jax.random.key(1), (n,))
+    tokens = np.concatenate([np.asarray(draw(u[i:i + chunk])) for i in range(0, n, chunk)])
+    got = float(np.mean(tokens != 7))
+    assert 0.002 < tail < 0.005 and got > 0 and abs(got - tail) < 5 * np.sqrt(tail / n)
+    assert tokens.max() < v
