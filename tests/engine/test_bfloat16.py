@@ -106,7 +106,7 @@ def test_command_line_flags():
     """`--dtype` / `--kv-cache-dtype` (generate and serve share these engine arguments)."""
     import argparse
 
-    from pagedjax.entrypoints.cli import add_engine_arguments, engine_kwargs
+    from pagedjax.entrypoints.cli_args import add_engine_arguments, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

@@ -58,7 +58,7 @@ def test_every_engine_option_is_a_flag_with_its_default_shown(capsys):
     import pytest
 
     from pagedjax.config import EngineConfig
-    from pagedjax.entrypoints.cli import add_engine_arguments, engine_kwargs
+    from pagedjax.entrypoints.cli_args import add_engine_arguments, engine_kwargs
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -137,7 +137,7 @@ def test_every_option_of_every_subcommand_shows_its_default():
     walks the real parsers, so a flag added later without one fails here."""
     import argparse
 
-    from pagedjax.entrypoints.cli import HelpFormatter
+    from pagedjax.entrypoints.cli_args import HelpFormatter
 
     parsers = _subcommand_parsers()
     assert {"pagedjax generate", "pagedjax serve", "pagedjax bench compare"} <= {n for n, _ in parsers}
@@ -203,7 +203,7 @@ def test_a_bad_flag_value_is_a_usage_error_naming_the_flag(argv, message, capsys
 
 
 def test_flag_names_rewrites_whole_names_only():
-    from pagedjax.entrypoints.cli import engine_flags, flag_names
+    from pagedjax.entrypoints.cli_args import engine_flags, flag_names
 
     names = engine_flags()
     assert (flag_names("kv_cache_dtype, kv_cache and kv_cache_memory_gb; not my_kv_cache or kv_caches", names)

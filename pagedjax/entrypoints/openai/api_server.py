@@ -19,8 +19,8 @@ logger = logging.getLogger("pagedjax.entrypoints.openai")
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `serve` options to `parser` (the engine knobs are the shared ones of
-    `pagedjax.entrypoints.cli.add_engine_arguments`)."""
-    from pagedjax.entrypoints.cli import add_engine_arguments, model_help
+    `pagedjax.entrypoints.cli_args.add_engine_arguments`)."""
+    from pagedjax.entrypoints.cli_args import add_engine_arguments, model_help
 
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help())
     g = parser.add_argument_group("server")
@@ -67,7 +67,7 @@ def lora_module(text: str) -> tuple[str, str]:
 
 def check_serve_arguments(args: argparse.Namespace) -> None:
     """The engine flags as EngineConfig checks them, then --lora-modules (ValueError naming the flag)."""
-    from pagedjax.entrypoints.cli import check_engine_arguments
+    from pagedjax.entrypoints.cli_args import check_engine_arguments
 
     check_engine_arguments(args)
     if args.enable_lora and args.num_processes > 1:
@@ -195,7 +195,7 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the real engine from parsed `serve` arguments and serve it."""
-    from pagedjax.entrypoints.cli import engine_flags, engine_kwargs, flag_names, init_processes
+    from pagedjax.entrypoints.cli_args import engine_flags, engine_kwargs, flag_names, init_processes
     from pagedjax.engine.llm_engine import LLMEngine  # lazy: importing JAX and loading weights is slow
     from pagedjax.engine.async_engine import AsyncEngine
 
@@ -244,7 +244,7 @@ def load_lora_modules(engine: Any, modules: list[tuple[str, str]]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedjax.entrypoints.cli import HelpFormatter, check_arguments
+    from pagedjax.entrypoints.cli_args import HelpFormatter, check_arguments
 
     parser = add_serve_arguments(argparse.ArgumentParser(prog="pagedjax serve", description="OpenAI-compatible server",
                                                          formatter_class=HelpFormatter))

@@ -25,8 +25,9 @@ from pagedjax.entrypoints.openai.control import add_control_routes
 from pagedjax.entrypoints.openai.errors import APIError, bad_request, from_status
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  EmbeddingRequest, LoadLoRAAdapterRequest, ModelCard, ModelList,
-                                                  TokenizeRequest, UnloadLoRAAdapterRequest)
+                                                  EmbeddingRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                                  UnloadLoRAAdapterRequest)
+from pagedjax.entrypoints.openai.response_bodies import ModelCard, ModelList
 from pagedjax.entrypoints.openai.serving_chat import ChatServing
 from pagedjax.entrypoints.openai.serving_common import ClientDisconnected
 from pagedjax.entrypoints.openai.serving_completion import CompletionServing

@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI requests and responses the server speaks.
+"""Pydantic models of the OpenAI requests the server accepts (the answers: `response_bodies.py`).
 
 Requests are strict (no silent type coercion) and forbid unknown fields, so a field the
 engine does not understand is a 400 that names it instead of being dropped. Every number is
@@ -7,10 +7,9 @@ bounded to what the engine represents, and every list stops at its first bad ele
 """
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 
 from pagedjax.sampling_params import (MAX_BIAS, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                       MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_LISTS)
@@ -275,155 +274,3 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] | None = "float"  # base64: little-endian float32 bytes
     dimensions: int | None = Field(None, le=MAX_INT32)  # the first `dimensions` values, renormalized
     user: str | None = None  # ignored
-
-
-# ---- responses ------------------------------------------------------------------------
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-
-
-class PromptLogprob(BaseModel):
-    logprob: float
-    rank: int | None = None  # 1: the most likely token
-    decoded_token: str
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    # vLLM: null for the first prompt token, then {token id: PromptLogprob}
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None  # left out of the JSON when none
-
-    @model_serializer(mode="wrap")
-    def _drop_no_tool_calls(self, handler):
-        body = handler(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
-        return body
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {name, arguments}}: no nulls
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str  # str: base64 of the float32 values (little-endian)
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedjax"
-    root: str | None = None  # the base model's name; a LoRA adapter's path
-    parent: str | None = None  # a LoRA adapter's base model (None: a base model)
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

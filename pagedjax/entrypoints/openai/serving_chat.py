@@ -10,9 +10,10 @@ from fastapi import Request
 from pagedjax.outputs import CompletionOutput
 from pagedjax.engine.async_engine import EngineDeadError, ShuttingDownError
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
-from pagedjax.entrypoints.openai.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
-                                      ChatTokenLogprob, DeltaMessage, TopLogprob)
+from pagedjax.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedjax.entrypoints.openai.response_bodies import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                                         ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+                                                         ChatTokenLogprob, DeltaMessage, TopLogprob)
 from pagedjax.entrypoints.openai.serving_common import ServingBase, completions_by_index, finite, top_logprobs
 from pagedjax.entrypoints.openai.streaming import SSE_DONE, json_bytes, json_dumps, json_response, merge_streams, sse
 from pagedjax.entrypoints.openai.tool_calls import ToolPlan, ToolStreams, plan_tools, template_messages, tool_constraint

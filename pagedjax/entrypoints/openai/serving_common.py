@@ -26,7 +26,8 @@ from pagedjax.lora.request import LoRARequest
 from pagedjax.engine.request_stream import (EngineDeadError, QueueFullError, RequestStream, ShuttingDownError,
                                             merge_delta)
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
-from pagedjax.entrypoints.openai.protocol import UsageInfo, _SamplingRequest
+from pagedjax.entrypoints.openai.protocol import _SamplingRequest
+from pagedjax.entrypoints.openai.response_bodies import UsageInfo
 from pagedjax.entrypoints.openai.streaming import SSEResponse, merge_streams, wait_for_disconnect
 
 MAX_BEAMS = MAX_LOGPROBS // 2  # BeamSearchParams' bound on beam_width

@@ -19,8 +19,8 @@ from fastapi import Request
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.engine.async_engine import EngineDeadError, ShuttingDownError
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
-from pagedjax.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse)
+from pagedjax.entrypoints.openai.protocol import CompletionRequest
+from pagedjax.entrypoints.openai.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse
 from pagedjax.entrypoints.openai.serving_common import ServingBase, completions_by_index, finite, top_logprobs
 from pagedjax.entrypoints.openai.streaming import SSE_DONE, json_bytes, json_dumps, json_response, merge_streams, sse
 

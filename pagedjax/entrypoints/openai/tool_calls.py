@@ -56,7 +56,8 @@ from typing import Any
 
 from pagedjax.sampling_params import StructuredOutputsParams
 from pagedjax.entrypoints.openai.errors import bad_request
-from pagedjax.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ToolCall
+from pagedjax.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedjax.entrypoints.openai.response_bodies import ToolCall
 from pagedjax.entrypoints.openai.tool_parsers import (Delta, _AutoParser, _CallFormat, _NamedParser, _Parser,
                                                       _RequiredParser, chat_template, detect_format)
 
