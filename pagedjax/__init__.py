@@ -7,6 +7,7 @@ from pathlib import Path as _Path
 _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "models").exists() and (_checkout / "models" / "llama.py").is_file():
     __path__.append(str(_checkout))  # noqa: F821  (the package's own __path__)
+from pagedjax import _notices  # noqa: F401  (before transformers is imported anywhere)
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -14,22 +15,30 @@ from pagedjax.pooling.params import PoolingParams
 from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
 
 
-def __getattr__(name):  # import the engine (and JAX) only when asked for
+_LAZY = {  # name -> module: imported (with JAX) only when asked for
+    "LLM": "pagedjax.entrypoints.llm",
+    "LLMEngine": "pagedjax.engine.llm_engine",
+    "AsyncEngine": "pagedjax.engine.async_engine",
+    "EngineConfig": "pagedjax.config",
+}
+
+
+def __getattr__(name):
     if name == "__version__":
         from pagedjax.entrypoints.cli import package_version
 
         return package_version()
-    if name == "LLM":
-        from pagedjax.entrypoints.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
-    if name == "LLMEngine":
-        from pagedjax.engine.llm_engine import LLMEngine
-
-        return LLMEngine
-    raise AttributeError(name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedjax' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
+def __dir__():  # the lazy names too, for dir() and completion
+    return sorted(set(globals()) | set(__all__) | {"__version__"})
+
+
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
            "BeamSearchOutput", "StructuredOutputsParams", "LoRARequest", "PoolingParams", "EmbeddingOutput",
            "EmbeddingRequestOutput"]

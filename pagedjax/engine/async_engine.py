@@ -14,7 +14,8 @@ never calls into the engine from another thread (except `compile_stats()`, read 
 background warm-up changes it while the engine idles). The request counts a client can check
 against its own streams (in flight, pending, the oldest age) are kept on the event loop: a
 request stays in flight until its consumer has taken the final output, even when the engine
-finished it steps earlier.
+finished it steps earlier. How outputs travel from the thread to the streams:
+`output_routing.py`.
 
 A step that raises may leave the device state poisoned (the KV cache is donated to the
 step), so it is fatal: every stream and every queued command ends with EngineDeadError,
@@ -32,10 +33,10 @@ import weakref
 from collections import deque
 from typing import Any, Callable
 
-from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedjax.core.beam_search import BeamSearchParams
+from pagedjax.engine.output_routing import OutputRouting, _aborted, _resolve
 from pagedjax.engine.request_stream import EngineDeadError, QueueFullError, RequestStream, ShuttingDownError
 from pagedjax.lora.request import LoRARequest
-from pagedjax.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from pagedjax.pooling.params import PoolingParams
 from pagedjax.sampling_params import SamplingParams
 
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 IDLE_TICK_S = float(os.environ.get("PAGEDJAX_IDLE_TICK_S", "10"))
 
 
-class AsyncEngine:
+class AsyncEngine(OutputRouting):
     """Runs `engine.step()` in a background thread and fans outputs out to asyncio streams."""
 
     def __init__(self, engine: Any, max_pending_requests: int = 1024, metrics: Any = None) -> None:
@@ -242,42 +243,7 @@ class AsyncEngine:
         if command[0] in _ANSWERED:  # the engine is gone: nothing will ever answer it
             _resolve(_loop_of(command), command[-1], EngineDeadError("the engine is not running"))
 
-    def _mark_started(self, stream: RequestStream) -> None:
-        if not stream.started:
-            stream.started = True
-            self.num_pending -= stream.n
-
-    def _deliver(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
-        """Runs on the event loop: hand one item to the stream and keep the books."""
-        now = time.monotonic()
-        self._mark_started(stream)
-        if isinstance(item, RequestOutput):
-            stream.num_prompt_tokens = len(item.prompt_token_ids) or stream.num_prompt_tokens
-            for o in item.outputs:
-                stream.num_tokens[o.index] = stream.num_tokens.get(o.index, 0) + len(o.token_ids)
-                if o.finish_reason is not None:
-                    stream.finish_reasons[o.index] = o.finish_reason
-            if stream.first_token_time is None and any(stream.num_tokens.values()):
-                stream.first_token_time = now
-        elif isinstance(item, EmbeddingRequestOutput):  # done in one piece: its prompt is its work
-            stream.num_prompt_tokens = len(item.prompt_token_ids)
-            stream.finish_reasons[0] = "stop"
-        if isinstance(item, (RequestOutput, EmbeddingRequestOutput)) and item.finished:
-            stream.finish_time = now
-            if self.metrics is not None:
-                try:
-                    self.metrics.on_request_finished(stream)
-                except Exception:  # metrics must never break serving
-                    logger.exception("metrics update failed")
-        stream.push(item)
-
     # ---- engine thread --------------------------------------------------------------------
-
-    def _post(self, stream: RequestStream, item: Any) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(self._deliver, stream, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
     def _run(self) -> None:
         # work that cannot progress (e.g. a request waiting for blocks that only an abort can
@@ -391,51 +357,6 @@ class AsyncEngine:
         _resolve(stream.loop, admitted, None)
         return True
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        if self._beam_searches and self.engine.finished_beam_searches:
-            for rid in [r for r in self.engine.finished_beam_searches if r in self._beam_searches]:
-                self._beam_searches.discard(rid)
-                outputs.append(_beam_output(self.engine.finished_beam_searches.pop(rid)))
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted meanwhile
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            self._post(stream, out)
-
-    def _abort_all(self, error: BaseException | None, call_engine: bool = True) -> None:
-        """Abort every request in flight: each stream ends with an "abort" output (or
-        `error` when given)."""
-        for rid, stream in list(self._streams.items()):
-            if call_engine:
-                try:
-                    self.engine.abort_request(rid)
-                except Exception:  # pragma: no cover
-                    logger.exception("abort_request(%s) failed", rid)
-            # a fresh exception per stream: each is raised in its own task
-            self._post(stream, type(error)(*error.args) if error is not None else _aborted(rid))
-        self._streams.clear()
-        self._beam_searches.clear()
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None,
-             result: Any = None) -> None:
-    """Settle `fut` on its loop, from any thread."""
-    try:
-        loop.call_soon_threadsafe(_set_future, fut, exc, result)
-    except RuntimeError:  # the loop is closed
-        pass
-
-
-def _set_future(fut: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(exc)
-
 
 _ANSWERED = ("add", "add_embed", "add_beam", "call")  # commands whose last item is a future someone awaits
 
@@ -443,16 +364,3 @@ _ANSWERED = ("add", "add_embed", "add_beam", "call")  # commands whose last item
 def _loop_of(command: tuple) -> asyncio.AbstractEventLoop:
     """The event loop that awaits an answered command's future."""
     return command[1] if command[0] == "call" else command[1].loop
-
-
-def _beam_output(result: BeamSearchOutput) -> RequestOutput:
-    """A finished beam search as one finished RequestOutput: beam i (best first) is completion i."""
-    return RequestOutput(result.request_id, None, list(result.prompt_token_ids),
-                         [CompletionOutput(i, seq.text, list(seq.token_ids), seq.finish_reason)
-                          for i, seq in enumerate(result.sequences)], finished=True)
-
-
-def _aborted(request_id: str) -> RequestOutput:
-    """The final delta of an aborted request: nothing new, finished (O(1) on the engine
-    thread; the consumer gives "abort" to every completion that has no finish reason)."""
-    return RequestOutput(request_id, None, [], [], finished=True)

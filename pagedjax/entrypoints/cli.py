@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pagedjax.entrypoints.cli_args import (HelpFormatter, add_engine_arguments, check_arguments,
@@ -151,9 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # transformers without torch advises on import that its models are unavailable; pagedjax
-    # uses only its tokenizers and configs, so the line would only alarm a command-line user
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     check_arguments(args)
     return args.func(args) or 0

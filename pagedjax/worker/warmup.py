@@ -7,8 +7,12 @@ the engine holds it while requests run in shapes already compiled. `wait` finish
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
+import time
 import weakref
+
+logger = logging.getLogger(__name__)
 
 _running: "weakref.WeakSet[BackgroundWarmup]" = weakref.WeakSet()
 
@@ -32,6 +36,7 @@ class BackgroundWarmup:
     def start(self, jobs: list[tuple]) -> None:
         """Runs each (job, T) as job(T) on a thread, waiting for `go` before each."""
         def run():
+            start = time.monotonic()
             try:
                 for job, t in jobs:
                     self.go.wait()
@@ -40,6 +45,10 @@ class BackgroundWarmup:
                     job(t)
             except BaseException as e:  # surfaced by wait() and the engine's stats
                 self.error = e
+                logger.error("the background warm-up failed: %s (shapes not compiled yet compile on first use)", e)
+                return
+            logger.info("warm-up done: every step shape compiled (%d in the background, %.1f s)", len(jobs),
+                        time.monotonic() - start)
 
         self.thread = threading.Thread(target=run, name="pagedjax-warmup", daemon=True)
         self.thread.start()

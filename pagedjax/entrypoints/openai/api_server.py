@@ -6,10 +6,12 @@ The top-level CLI wires these in with `add_serve_arguments(subparser)` and
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import json
 import logging
 import os
+import socket
 from typing import Any
 
 import uvicorn
@@ -201,6 +203,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedjax").setLevel(args.log_level.upper())
+    busy = port_unavailable(args.host, args.port) if args.process_id == 0 else None
+    if busy:  # before the model loads and compiles: that takes seconds to minutes
+        logger.error("%s", busy)
+        return 2
     try:
         init_processes(args)
         engine = LLMEngine(args.model, stream_text=True, **engine_kwargs(args))
@@ -227,6 +233,27 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.num_processes > 1:  # the followers exit with process 0
         engine.close()
     return code
+
+
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (a message naming the flags), or None
+    when it can: a test bind with the options uvicorn uses (SO_REUSEADDR), then released."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot listen on --host {host}: {e.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            hint = " (another server is listening there: stop it or choose another --port)" \
+                if e.errno == errno.EADDRINUSE else ""
+            return f"cannot listen on {host}:{port}: {e.strerror}{hint}"
+    return None
 
 
 def load_lora_modules(engine: Any, modules: list[tuple[str, str]]) -> bool:

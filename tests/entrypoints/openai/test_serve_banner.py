@@ -65,3 +65,36 @@ def test_url_brackets_an_ipv6_host():
     assert server.url() == "http://[::1]:8000"
     server = _Server(uvicorn.Config(None, host="0.0.0.0", port=9000), SimpleNamespace())
     assert server.url() == "http://0.0.0.0:9000"
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(caplog, monkeypatch):
+    """The port is checked before the engine loads and compiles (seconds to minutes)."""
+    import socket
+
+    import pagedjax.engine.llm_engine as llm_engine
+    from pagedjax.entrypoints.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the engine must not load when the port is taken")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", never)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.ERROR, logger=LOGGER):
+            assert main(["serve", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use (another server is listening there: " \
+           f"stop it or choose another --port)" in caplog.text
+
+
+def test_background_warmup_logs_when_done(caplog):
+    from pagedjax.worker.warmup import BackgroundWarmup
+
+    done = []
+    warmup = BackgroundWarmup()
+    with caplog.at_level(logging.INFO, logger="pagedjax.worker.warmup"):
+        warmup.start([(done.append, 8), (done.append, 16)])
+        warmup.wait()
+    assert done == [8, 16]
+    assert "warm-up done: every step shape compiled (2 in the background" in caplog.text
