@@ -10,6 +10,7 @@ import numpy as np
 from pagedjax.models import compressed_tensors
 from pagedjax.models.config import GEMMA, ModelConfig, load_config
 from pagedjax.models.dtypes import resolve_dtype, resolve_kv_cache_dtype  # noqa: F401  (re-exported)
+from pagedjax.models.hub import resolve_model_dir  # noqa: F401  (re-exported)
 from pagedjax.models.llama import CausalLM
 from pagedjax.models.quantization import check_quantization
 from pagedjax.models.sharding import MODEL_AXIS, check_tp
@@ -130,18 +131,6 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def resolve_model_dir(model: str | Path | None) -> Path:
-    """None -> the embedded default model (converted and cached on first use)."""
-    if model is None:
-        from pagedjax.models.default_model import default_model_dir
-
-        return default_model_dir()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (pass a local Hugging Face model dir; leave the model out for the embedded default model)")
-    return path
 
 
 def default_scan_layers() -> bool:

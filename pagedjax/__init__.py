@@ -39,6 +39,6 @@ def __dir__():  # the lazy names too, for dir() and completion
     return sorted(set(globals()) | set(__all__) | {"__version__"})
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
-           "BeamSearchOutput", "StructuredOutputsParams", "LoRARequest", "PoolingParams", "EmbeddingOutput",
-           "EmbeddingRequestOutput"]
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchParams", "BeamSearchOutput", "StructuredOutputsParams", "LoRARequest", "PoolingParams",
+           "EmbeddingOutput", "EmbeddingRequestOutput"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedjax.models.dtypes import DTYPES, KV_CACHE_DTYPES, check_dtype, check_kv_cache_dtype
 from pagedjax.models.lora import TARGETS as LORA_TARGETS
@@ -45,7 +46,9 @@ class EngineConfig:
     """Every engine option. `LLM(...)` takes them as keyword arguments and the command line
     as flags (`--` and the name with dashes, generated from these fields)."""
 
-    model: str | None = option(None, "local Hugging Face model dir (default: the embedded SmolLM2-135M-Instruct)")
+    model: str | None = option(None, "local Hugging Face model dir, or a Hugging Face model id (org/name) from the "
+                               "local Hugging Face cache, downloaded into it where the network allows (default: the "
+                               "embedded SmolLM2-135M-Instruct)")
     load_format: str = option("auto", "auto: read the model's weight files; dummy: config and tokenizer only, random "
                               "weights of the right shapes (real ones arrive later through LLM.update_weights)", str,
                               choices=("auto", "dummy"))
@@ -110,6 +113,10 @@ class EngineConfig:
                                       "final hidden state) or mean (over the prompt's tokens); default: the "
                                       "checkpoint's sentence-transformers pooling config, else last", str,
                                       choices=("last", "mean"))
+    generation_config: str = option(
+        "auto", "sampling defaults of requests that leave them unset: auto: the model's generation_config.json "
+        "(its temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); vllm: none, the engine's own; "
+        "or a folder holding a generation_config.json", str, metavar="auto|vllm|DIR")
     async_scheduling: bool = option(True, "schedule and dispatch step t + 1 before reading step t's tokens (the host "
                                     "prepares the next step while the device runs this one)", bool)
 
@@ -143,8 +150,18 @@ class EngineConfig:
                              f"{self.lora_target_modules!r}")
         if self.pooling_type not in (None, "last", "mean"):
             raise ValueError(f"pooling_type must be 'last', 'mean' or None (auto), got {self.pooling_type!r}")
+        self._check_generation_config()
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+    def _check_generation_config(self) -> None:
+        source = self.generation_config
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json, "
+                             f"got {source!r}")
+        if source not in ("auto", "vllm") and not (Path(source).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json; "
+                             f"{str(Path(source).expanduser() / 'generation_config.json')!r} does not exist")
 
     def resolve(self, model_cfg) -> None:
         """Fills the defaults that depend on the model."""

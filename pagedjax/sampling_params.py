@@ -6,6 +6,7 @@ import numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-k log-probabilities the step always computes; requests may ask up to this
+DEFAULT_MAX_TOKENS = 64  # SamplingParams().max_tokens
 MAX_INT32 = 2**31 - 1  # top_k, max_tokens and token ids travel to the device as int32
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to it (logits / t overflows below)
 MAX_STOP_STRINGS = 64  # each is matched against every new token's text
@@ -60,11 +61,21 @@ class StructuredOutputsParams:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+def context_length_message(max_model_len: int, num_prompt: int, max_tokens: int, param: str = "max_tokens") -> str:
+    """Why a request asking for `max_tokens` after a `num_prompt`-token prompt cannot run: the
+    one wording of the Python API's ValueError and the server's 400."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
+            f"Reduce the prompt or `{param}`.")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's output (greedy when temperature == 0)."""
 
-    max_tokens: int = 64
+    # None: DEFAULT_MAX_TOKENS, held to the room the prompt leaves below max_model_len; a
+    # number given is a promise: more than that room is an error (as the server's 400)
+    max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -87,15 +98,30 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be generated
     structured_outputs: StructuredOutputsParams | None = None
     detokenize: bool = True  # False: token ids (and logprobs) only, no text (RL rollouts)
+    include_stop_str_in_output: bool = False  # a stop string that ended the output stays in its text
+    # keep only the last k prompt tokens (-1: the last max_model_len); None: the whole prompt
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+    # max_tokens came from the caller (not the default): set by __post_init__, not compared
+    max_tokens_given: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         """Checks every field against what the engine can represent: a request that passes
         can never make a step fail."""
+        self.max_tokens_given = self.max_tokens is not None
+        if self.max_tokens is None:
+            self.max_tokens = DEFAULT_MAX_TOKENS
         if not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= MAX_INT32:
             raise ValueError(f"max_tokens must be an integer in [0, {MAX_INT32}], got {self.max_tokens!r}")
         if not isinstance(self.detokenize, bool):
             raise ValueError(f"detokenize must be True or False, got {self.detokenize!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be True or False, got "
+                             f"{self.include_stop_str_in_output!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= MAX_INT32)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last k tokens) "
+                             f"or -1 (the last max_model_len), got {k!r}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings are matched in the text: they need detokenize=True")
         if self.max_tokens == 0 and self.prompt_logprobs is None:

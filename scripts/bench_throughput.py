@@ -1,4 +1,5 @@
 """Offline throughput: pagedjax against transformers' batched generate, same checkpoint, one run.
+(A probe that compares engines; pagedjax's own offline throughput is `pagedjax bench throughput`.)
 
 Default workload: a SmolLM2-135M-shaped Llama with random weights, 16 prompts of 128 tokens,
 128 new tokens each, greedy, float32 on CPU. Prints both figures and their ratio and writes

@@ -28,7 +28,8 @@ MAY_IMPORT = {
     "pagedjax.compare": ["pagedjax.engine"],
     "pagedjax.entrypoints": ["pagedjax.engine", "pagedjax.compare"],
     "pagedjax.integrations": ["pagedjax.entrypoints"],  # adapters for other libraries (Tunix)
-    "pagedjax.__init__": ["pagedjax.entrypoints", "pagedjax.lora", "pagedjax.pooling"],
+    "pagedjax._notices": [],  # logging filters only
+    "pagedjax.__init__": ["pagedjax.entrypoints", "pagedjax.lora", "pagedjax.pooling", "pagedjax._notices"],
 }
 
 

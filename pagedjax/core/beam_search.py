@@ -13,18 +13,22 @@ import itertools
 from dataclasses import dataclass, field
 
 from pagedjax.core.request import Request, append_logprobs
-from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedjax.sampling_params import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(slots=True)
 class BeamSearchParams:
     beam_width: int
-    max_tokens: int = 64
+    max_tokens: int | None = None  # as SamplingParams.max_tokens: None is 64 held to the room left
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in transformers
     ignore_eos: bool = False
+    max_tokens_given: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
+        self.max_tokens_given = self.max_tokens is not None
+        if self.max_tokens is None:
+            self.max_tokens = DEFAULT_MAX_TOKENS
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
             raise ValueError(f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -7,6 +7,7 @@ from pathlib import Path
 from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.kv_memory import KVMemory, kv_memory as rank_kv_memory
 from pagedjax.core.sched.scheduler import Scheduler
+from pagedjax.models.hub import is_repo_id
 from pagedjax.spec_decode.manager import spec_stats
 from pagedjax.worker import compile_counter
 
@@ -79,7 +80,12 @@ def rank_stats(pool: BlockPool, s: Scheduler) -> dict:
 
 
 def model_name(model) -> str:
-    return "SmolLM2-135M-Instruct" if model is None else Path(str(model)).name
+    """The default model's name, a Hugging Face id as given (`org/name`), else the dir's name."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    if isinstance(model, str) and is_repo_id(model) and not Path(model).expanduser().exists():
+        return model
+    return Path(str(model)).name
 
 
 def tokenizer_eos(tokenizer) -> tuple[int, ...]:

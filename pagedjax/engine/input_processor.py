@@ -15,8 +15,9 @@ class InputProcessor:
         self.logits_width = logits_width
         self.model_name = model_name
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids)."""
+    def tokenize(self, prompt: str | list[int], keep_last: int | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids); keep_last: only the last that many token ids
+        (SamplingParams.truncate_prompt_tokens; the text stays as given)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_name} has no tokenizer: give token-id prompts")
@@ -29,6 +30,8 @@ class InputProcessor:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
+        if keep_last is not None:
+            ids = ids[-keep_last:]
         return text, ids
 
     def check_token_ids(self, params: SamplingParams) -> None:

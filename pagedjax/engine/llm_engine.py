@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.models.kv_cache import DenseKVCache, PagedKVCache
-from pagedjax.models.loader import load_model
+from pagedjax.models.loader import load_model, resolve_model_dir
 from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamGroup, BeamSearchManager, BeamSearchParams
 from pagedjax.core.block_pool import BlockPool
@@ -26,6 +26,7 @@ from pagedjax.core.sched.scheduler import Scheduler
 from pagedjax.core.sched.window import window_release
 from pagedjax.engine import engine_stats
 from pagedjax.engine.engine_info import EngineInfo
+from pagedjax.engine.generation_config import sampling_defaults
 from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_sizing import plan_kv
 from pagedjax.engine.output_processor import OutputProcessor
@@ -37,7 +38,7 @@ from pagedjax.parallel.distributed import is_multiprocess
 from pagedjax.parallel.mesh import bytes_per_device, make_mesh
 from pagedjax.pooling.params import PoolingParams, resolve_pooling_type
 from pagedjax.pooling.pooler import Pooler
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import SamplingParams, context_length_message
 from pagedjax.spec_decode.manager import make_spec_decode
 from pagedjax.structured_output.manager import StructuredOutputManager
 from pagedjax.worker import compile_counter
@@ -64,13 +65,16 @@ class LLMEngine(WeightControl, EngineInfo):
         compile_counter.enable_persistent_cache()
         self.config = cfg = EngineConfig(model=model, **engine_kwargs)
         self.mesh = make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
-        self.model, self.model_config, self.tokenizer = load_model(model, cfg.dtype, cfg.scan_layers, self.mesh,
+        self.model_dir = resolve_model_dir(model)  # a local dir, the default model's, or a Hugging Face id's snapshot
+        self.model, self.model_config, self.tokenizer = load_model(self.model_dir, cfg.dtype, cfg.scan_layers, self.mesh,
                                                                    cfg.quantization, cfg.expert_parallel, cfg.moe_impl,
                                                                    load_format=cfg.load_format, weights=weights)
         self.num_weight_updates = 0
         cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len
         self.model_name = engine_stats.model_name(model)
+        # what requests that leave them unset sample with (generation_config.json; {}: SamplingParams' own)
+        self.sampling_defaults = sampling_defaults(cfg.generation_config, self.model_dir)
         draft = None
         if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
             from pagedjax.spec_decode.draft_model import load_draft_model
@@ -150,8 +154,10 @@ class LLMEngine(WeightControl, EngineInfo):
             adapter = self.lora.add(lora_request)  # registered and read if new (its host copy)
         if self.tokenizer is None and params.stop_strings:
             raise ValueError(f"{self.model_name} has no tokenizer: stop strings cannot be matched")
-        text, ids = self.inputs.tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        text, ids = self.inputs.tokenize(prompt, self.max_model_len if keep == -1 else keep)
         self.inputs.check_token_ids(params)
+        self._check_fits(len(ids), params)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if params.uses_token_mask:
             self.masks.add(seq_ids, params)
@@ -165,11 +171,18 @@ class LLMEngine(WeightControl, EngineInfo):
             req.dp_rank = rank
         self.output.add(request_id, text, reqs)
 
+    def _check_fits(self, num_prompt: int, params: SamplingParams | BeamSearchParams) -> None:
+        """A max_tokens the caller gave must fit beside the prompt (the server's 400 in words);
+        a default one is held to the room left. A prompt with no room left is the scheduler's error."""
+        if params.max_tokens_given and num_prompt < self.max_model_len < num_prompt + params.max_tokens:
+            raise ValueError(context_length_message(self.max_model_len, num_prompt, params.max_tokens))
+
     def add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
         """Queues a beam search; its result lands in `finished_beam_searches[request_id]`."""
         self.check_awake()
         self._check_new_id(request_id)
         _, ids = self.inputs.tokenize(prompt)
+        self._check_fits(len(ids), params)
         if self.beams is None:
             self.beams = BeamSearchManager(self.schedulers, self.tokenizer)
         group = BeamGroup(request_id, ids, params, self.eos_token_ids)
@@ -184,7 +197,7 @@ class LLMEngine(WeightControl, EngineInfo):
         self._check_new_id(request_id)
         text, ids = self.inputs.tokenize(prompt)
         if self.pooler is None:
-            self.pooler = Pooler(resolve_pooling_type(self.config.pooling_type, self.config.model),
+            self.pooler = Pooler(resolve_pooling_type(self.config.pooling_type, self.model_dir),
                                  self.model_config.hidden_size, self.buckets.token_buckets(), self.buckets.num_seqs,
                                  self.config.data_parallel_size, self.runner.hidden_specs)
         req = self.pooler.make_request(request_id, text, ids, params)

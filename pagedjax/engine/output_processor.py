@@ -162,7 +162,8 @@ class OutputProcessor:
         return outputs, finished
 
     def _append_text(self, seq: _Sequence, token: int) -> None:
-        """Adds the token's text; a stop string ends the sequence and is cut from the text."""
+        """Adds the token's text; a stop string ends the sequence and is cut from the text (the
+        text ends after it with include_stop_str_in_output)."""
         before = len(seq.detok.text)
         seq.detok.add(token)
         stops = seq.req.params.stop_strings
@@ -174,7 +175,7 @@ class OutputProcessor:
         if not hits:
             return
         pos, stop = min(hits)
-        seq.detok.text = text[:pos]
+        seq.detok.text = text[:pos + len(stop) if seq.req.params.include_stop_str_in_output else pos]
         if seq.req.is_finished:  # finished by length on the same token: the stop string wins
             seq.req.finish_reason, seq.req.stop_reason = "stop", stop
         else:
@@ -190,7 +191,8 @@ class OutputProcessor:
             return seq.text
         text = seq.detok.text
         stops = req.params.stop_strings
-        if stops and not req.is_finished:  # hold back what could be the start of a stop string
+        if stops and not req.is_finished and not req.params.include_stop_str_in_output:
+            # hold back what could be the start of a stop string (kept stop strings are shown anyway)
             text = text[:max(0, len(text) - max(len(s) for s in stops) + 1)]
         return text
 

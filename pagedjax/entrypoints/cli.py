@@ -1,4 +1,5 @@
-"""Command line: `pagedjax generate ...`, `pagedjax serve ...` and `pagedjax bench compare ...`."""
+"""Command line: `pagedjax generate ...`, `pagedjax serve ...` and `pagedjax bench ...` (serve, throughput,
+latency, startup, compare)."""
 from __future__ import annotations
 
 import argparse
@@ -8,16 +9,22 @@ from pagedjax.entrypoints.cli_args import (HelpFormatter, add_engine_arguments, 
                                           check_engine_arguments, engine_flags, engine_kwargs, flag_names,
                                           init_processes, model_help)
 
+# generate's own defaults of the flags a model's generation_config.json may set instead
+# (--generation-config): the flags default to None, "not given"
+GENERATE_DEFAULTS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 # generate's sampling flags: SamplingParams field -> (flag, add_argument keywords); the flag's
 # dest is its name with underscores (--sample-seed: the engine has a --seed of its own)
 SAMPLING_OPTIONS = {
-    "max_tokens": ("--max-tokens", dict(type=int, default=128, help="most tokens generated per prompt")),
-    "temperature": ("--temperature", dict(type=float, default=0.0, help="sampling temperature; 0: greedy")),
-    "top_p": ("--top-p", dict(type=float, default=1.0, help="sample from the fewest most likely tokens whose "
-                                                           "probabilities add up to P; 1: off")),
-    "top_k": ("--top-k", dict(type=int, default=0, help="sample from the K most likely tokens; 0: off")),
-    "min_p": ("--min-p", dict(type=float, default=0.0, help="drop the tokens less likely than P times the most "
-                                                           "likely one; 0: off")),
+    "max_tokens": ("--max-tokens", dict(type=int, default=None, help="most tokens generated per prompt (default: "
+                                                                     "128)")),
+    "temperature": ("--temperature", dict(type=float, default=None, help="sampling temperature; 0: greedy (default: "
+                                                                         "0.0)")),
+    "top_p": ("--top-p", dict(type=float, default=None, help="sample from the fewest most likely tokens whose "
+                                                            "probabilities add up to P; 1: off (default: 1.0)")),
+    "top_k": ("--top-k", dict(type=int, default=None, help="sample from the K most likely tokens; 0: off (default: "
+                                                          "0)")),
+    "min_p": ("--min-p", dict(type=float, default=None, help="drop the tokens less likely than P times the most "
+                                                            "likely one; 0: off (default: 0.0)")),
     "seed": ("--sample-seed", dict(type=int, default=None, help="sampling seed of every prompt (default: each "
                                                                "draws its own from the engine's --seed)")),
     "stop": ("--stop", dict(action="append", default=None, help="a stop string; repeat the flag for several (default: "
@@ -32,7 +39,8 @@ def _generate_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (default: read one from stdin)")
     p.add_argument("--model", default=None, help=model_help())
-    g = p.add_argument_group("sampling (SamplingParams)")
+    g = p.add_argument_group("sampling (SamplingParams; a flag left out takes the model's generation_config.json "
+                             "value where it has one, see --generation-config)")
     for flag, kwargs in SAMPLING_OPTIONS.values():
         g.add_argument(flag, **kwargs)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -42,15 +50,20 @@ def _generate_parser(sub) -> None:
     p.set_defaults(func=run_generate, _check=_check_generate)
 
 
-def _sampling_params(args: argparse.Namespace):
-    """generate's SamplingParams; a ValueError names the flag."""
+def _sampling_params(args: argparse.Namespace, model_defaults: dict | None = None):
+    """generate's SamplingParams: the flags given, else the model's generation config
+    (model_defaults: LLMEngine.sampling_defaults), else generate's own defaults; a ValueError
+    names the flag."""
     from pagedjax.sampling_params import SamplingParams
 
-    kwargs = {name: getattr(args, flag[2:].replace("-", "_")) for name, (flag, _) in SAMPLING_OPTIONS.items()}
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, (flag, _) in SAMPLING_OPTIONS.items()}
+    kwargs = {**GENERATE_DEFAULTS, **(model_defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
     except ValueError as e:
         raise ValueError(flag_names(str(e), {name: flag for name, (flag, _) in SAMPLING_OPTIONS.items()})) from None
+    params.max_tokens_given = given.get("max_tokens") is not None  # a default is held to the room left
+    return params
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -60,6 +73,7 @@ def _check_generate(args: argparse.Namespace) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagedjax.engine.llm_engine import LLMEngine
+    from pagedjax.entrypoints.chat_template import chat_prompt_ids, render_chat
 
     prompts = args.prompts or ([sys.stdin.read().strip()] if not sys.stdin.isatty() else [])
     if not prompts or not all(prompts):
@@ -67,19 +81,20 @@ def run_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        params = _sampling_params(args)
+        _sampling_params(args)  # the flags' own errors before anything loads
         init_processes(args)
         kwargs = engine_kwargs(args)
         if args.max_num_seqs is None:  # no bigger batch than the prompts: fewer, smaller shapes to compile
             kwargs["max_num_seqs"] = min(len(prompts), 64)
         engine = LLMEngine(args.model, stream_text=True, **kwargs)
+        params = _sampling_params(args, engine.sampling_defaults)
         for i, prompt in enumerate(prompts):
             if args.chat:
                 if not getattr(engine.tokenizer, "chat_template", None):
                     raise ValueError("this model has no chat template; leave out --chat (the prompt is then "
                                      "given to the model as it is)")
-                prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                              add_generation_prompt=True, tokenize=False)
+                text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+                prompt = chat_prompt_ids(engine.tokenizer, text)
             engine.add_request(str(i), prompt, params)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"{args._parser.prog}: error: {flag_names(str(e), engine_flags())}", file=sys.stderr)
@@ -136,16 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "...) over the embedded default model or a local HF model dir.")
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
-    bench = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from pagedjax.compare import cli as compare_cli
+    from pagedjax.entrypoints.bench import add_bench_parser
 
-    compare = bench_sub.add_parser("compare", help="dense vs paged KV cache on one workload and KV budget",
-                                   description="Dense vs paged KV cache: same model, workload and KV memory budget; "
-                                               "writes JSON, a markdown table and PNG plots.",
-                                   formatter_class=HelpFormatter)
-    compare_cli.add_arguments(compare)
-    compare.set_defaults(func=compare_cli.run)
+    add_bench_parser(sub)  # serve, throughput, latency, startup, compare
     return parser
 
 

@@ -51,7 +51,8 @@ def flag_names(message: str, names: dict[str, str]) -> str:
     if not names:
         return message
     pattern = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-    return re.sub(rf"(?<![\w-])({pattern})(?!\w)", lambda m: names[m.group(1)], message)
+    # a name followed by `.json` etc. is a file's name (generation_config.json), not the field
+    return re.sub(rf"(?<![\w-])({pattern})(?!\w|\.\w)", lambda m: names[m.group(1)], message)
 
 
 def engine_flags() -> dict[str, str]:

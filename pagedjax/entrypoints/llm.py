@@ -11,6 +11,8 @@ import numpy as np
 from pagedjax.config import EngineConfig
 from pagedjax.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.entrypoints.chat_template import load_chat_template, render_conversations
+from pagedjax.entrypoints.prompts import PromptInput, parse_prompts
 from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedjax.pooling.params import PoolingParams
@@ -24,7 +26,10 @@ class LLM:
     any size and length within the limits compile nothing."""
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, weights=None, **engine_kwargs):
-        """model: a local Hugging Face dir, None for the embedded default model; engine_kwargs:
+        """model: a local Hugging Face dir, a Hugging Face model id (from the local Hugging Face
+        cache, downloaded into it where the network allows), None for the embedded default
+        model; generation_config (an engine kwarg): where get_default_sampling_params() comes
+        from ("auto": the model's generation_config.json, "vllm": none, or a folder); engine_kwargs:
         any EngineConfig field (block_size, num_blocks, max_num_seqs, max_model_len, kv_cache,
         dtype, load_format, ...: the signature lists them with their defaults). weights:
         Hugging Face-named arrays (a mapping or (name, array) pairs, numpy or jax.Array) to
@@ -42,20 +47,54 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a call without any uses: the engine's defaults with the model's
+        generation_config.json sampling fields over them (EngineConfig.generation_config)."""
+        params = SamplingParams(**self.engine.sampling_defaults)
+        params.max_tokens_given = False  # a default (max_new_tokens too) is held to the room a prompt leaves
+        return params
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """Generates for every prompt; returns RequestOutputs in prompt order. lora_request
+        """Generates for every prompt; returns RequestOutputs in prompt order. A prompt is a
+        str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (either with
+        an optional "cache_salt"); give one or a list. sampling_params: one for every prompt,
+        a list with one per prompt, or None: `get_default_sampling_params()`. lora_request
         (engine started with enable_lora=True): one LoRARequest for every prompt, or a list
         with one per prompt (None: the base model)."""
-        prompts = _as_prompt_list(prompts)
-        params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
-                             SamplingParams, "SamplingParams")
+        prompts = parse_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams, "SamplingParams")
         loras = _per_prompt(lora_request, len(prompts), LoRARequest, "lora requests")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        self._add_all(ids, lambda i: self.engine.add_request(ids[i], prompts[i], params[i], lora_request=loras[i]))
+        self._add_all(ids, lambda i: self.engine.add_request(ids[i], prompts[i].prompt, params[i],
+                                                             cache_salt=prompts[i].cache_salt, lora_request=loras[i]))
         return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generates a reply to each conversation: `messages` is one conversation (a list of
+        {"role": ..., "content": ...} dicts; content a str or a list of text parts) or a list
+        of them. Rendered with the tokenizer's chat template, or `chat_template` (a Jinja file
+        path or the template text), with `tools` and `chat_template_kwargs` (e.g.
+        {"enable_thinking": False}) passed to it; add_generation_prompt opens the assistant's
+        turn; continue_final_message (add_generation_prompt=False) continues a final assistant
+        message instead. Returns RequestOutputs as generate does (`.prompt`: the rendered text)."""
+        rendered = render_conversations(self.tokenizer, messages, chat_template=load_chat_template(chat_template),
+                                        tools=tools, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        chat_template_kwargs=chat_template_kwargs)
+        outs = self.generate([{"prompt_token_ids": ids} for _, ids in rendered], sampling_params, use_tqdm,
+                             lora_request)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text
+        return outs
 
     def embed(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True, *,
@@ -66,7 +105,7 @@ class LLM:
         `pooling_type` (last token or mean over the prompt). normalize: L2-normalize (default);
         dimensions: keep the first D values (then normalize). pooling_params: instead of
         normalize/dimensions, one PoolingParams for every prompt or one per prompt."""
-        prompts = _as_prompt_list(prompts)
+        prompts = _plain_prompts(prompts, "embeddings")
         if pooling_params is None:
             params = [PoolingParams(normalize=normalize, dimensions=dimensions)] * len(prompts)
         elif not normalize or dimensions is not None:
@@ -95,6 +134,7 @@ class LLM:
 
         done: dict = {}
         bar = tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm)
+        tokens_before = self.engine.num_generated_tokens  # the bar counts this call's tokens
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -102,7 +142,7 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
                         if count_tokens:  # embeddings generate none
-                            bar.set_postfix(tokens=self.engine.num_generated_tokens)
+                            bar.set_postfix(tokens=self.engine.num_generated_tokens - tokens_before)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -111,13 +151,13 @@ class LLM:
             bar.close()
         return [done[rid] for rid in ids]
 
-    def beam_search(self, prompts, beam_width: int | None = None, max_tokens: int = 64, *,
+    def beam_search(self, prompts, beam_width: int | None = None, max_tokens: int | None = None, *,
                     params: BeamSearchParams | None = None, use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search for every prompt (beams share KV blocks, copy-on-write); outputs in
         prompt order, each with up to beam_width finished sequences, best first."""
         from tqdm import tqdm
 
-        prompts = _as_prompt_list(prompts)
+        prompts = _plain_prompts(prompts, "beam search")
         params = params or BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens)
         ids = [f"beam-{next(self._ids)}" for _ in prompts]
         try:
@@ -189,18 +229,13 @@ def _per_prompt(value, n: int, one: type, what: str) -> list:
     return values
 
 
-def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    if all(isinstance(p, int) for p in prompts):  # a single token-id prompt
-        return [prompts]
-    for p in prompts:
-        if not isinstance(p, str) and not (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
-            raise TypeError(f"each prompt must be a str or a list of token ids, got {type(p).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+def _plain_prompts(prompts, what: str) -> list[str | list[int]]:
+    """The prompts (as generate takes them) as strs and token-id lists; a cache_salt is
+    refused (it is a generation option)."""
+    parsed = parse_prompts(prompts)
+    if any(p.cache_salt is not None for p in parsed):
+        raise ValueError(f"'cache_salt' is not supported for {what}; leave it out of the prompt dicts")
+    return [p.prompt for p in parsed]
 
 
 def _signature() -> inspect.Signature:

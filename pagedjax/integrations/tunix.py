@@ -282,11 +282,13 @@ class PagedJaxRollout(base_rollout.BaseRollout):
     def _sampling_params(config, n: int, eos: tuple, index: int) -> SamplingParams:
         greedy = config.top_p is None or not config.temperature  # Tunix samples greedily without top_p
         seed = None if config.seed is None else int(np.asarray(config.seed).ravel()[0]) + index
-        return SamplingParams(max_tokens=config.max_tokens_to_generate, n=n, seed=seed,
-                              temperature=0.0 if greedy else float(config.temperature),
-                              top_p=1.0 if greedy else float(config.top_p),
-                              top_k=0 if greedy or not config.top_k else int(config.top_k),
-                              stop_token_ids=list(eos), logprobs=0 if config.return_logprobs else None)
+        params = SamplingParams(max_tokens=config.max_tokens_to_generate, n=n, seed=seed,
+                                temperature=0.0 if greedy else float(config.temperature),
+                                top_p=1.0 if greedy else float(config.top_p),
+                                top_k=0 if greedy or not config.top_k else int(config.top_k),
+                                stop_token_ids=list(eos), logprobs=0 if config.return_logprobs else None)
+        params.max_tokens_given = False  # as Tunix's sampler: a prompt past max_prompt_length is held to the cache
+        return params
 
 
 def _lora_rank(lora: nnx.State) -> int:

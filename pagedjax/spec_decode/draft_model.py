@@ -17,7 +17,6 @@ still agrees with (all but its last token; see _Slot.keep).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from flax import nnx
 
 from pagedjax.models.dtypes import resolve_kv_cache_dtype
 from pagedjax.models.kv_cache import AttentionMetadata, PagedKVCache, init_kv_cache, kv_bytes_per_token
-from pagedjax.models.loader import load_model
+from pagedjax.models.loader import load_model, resolve_model_dir
 from pagedjax.core.buckets import Buckets
 from pagedjax.sample.sampler import argmax
 
@@ -49,9 +48,11 @@ class DraftModel:
 def load_draft_model(path: str, *, dtype: str, kv_cache_dtype: str, vocab_size: int, max_model_len: int) -> DraftModel:
     """Loads the draft checkpoint (one device) and checks it against the target: the same
     vocabulary (vocab_size, the target's) and room for max_model_len positions."""
-    if not Path(path).expanduser().is_dir():
-        raise FileNotFoundError(f"speculative_config: the draft model directory {path!r} does not exist "
-                                "(a local Hugging Face checkpoint with the target's tokenizer)")
+    try:  # a local directory or a Hugging Face id, as the target
+        path = resolve_model_dir(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"speculative_config: the draft model (a Hugging Face checkpoint with the target's "
+                                f"tokenizer): {exc}") from None
     draft, cfg, _ = load_model(path, dtype)
     if cfg.vocab_size != vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) differs "

@@ -97,7 +97,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoints, tmp_path):
     getattr(transformers, model_cls)(cfg).save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(path), speculative_config=_draft(tmp_path), **KW)
-    with pytest.raises(FileNotFoundError, match="the draft model directory"):
+    with pytest.raises(FileNotFoundError, match="speculative_config: the draft model .*does not exist"):
         LLM(str(path), speculative_config=_draft(tmp_path / "missing"), **KW)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import uvicorn
 
+from pagedjax.entrypoints.openai.reasoning import REASONING_PARSERS
+
 logger = logging.getLogger("pagedjax.entrypoints.openai")
 
 
@@ -43,6 +45,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--no-warmup", action="store_true", help="do not compile the step buckets ahead (each compiles on first use)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="pagedjax's and uvicorn's log level")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a thinking model's `<think>...</think>` text off its answer: `reasoning_content` in chat "
+                        "responses and deltas, reasoning items on /v1/responses; tool calls are parsed after it. "
+                        "qwen3: the output starts in the answer; deepseek_r1: in the thinking (default: off)")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template for /v1/chat/completions and /tokenize instead of the model's: a Jinja "
+                        "file or the template text itself (default: the tokenizer's)")
     g.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT dirs) loaded at startup, each served as model NAME (ids 1, 2, ... in "
                         "order); an item may also be JSON: '{\"name\": NAME, \"path\": PATH}'. Needs --enable-lora "
@@ -71,7 +80,13 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     """The engine flags as EngineConfig checks them, then --lora-modules (ValueError naming the flag)."""
     from pagedjax.entrypoints.cli_args import check_engine_arguments
 
+    from pagedjax.entrypoints.chat_template import load_chat_template
+
     check_engine_arguments(args)
+    try:
+        args.chat_template = load_chat_template(args.chat_template)  # read once; the server gets the text
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--chat-template: {exc}") from None
     if args.enable_lora and args.num_processes > 1:
         raise ValueError("--enable-lora is not supported with --num-processes > 1")
     modules = args.lora_modules or []
@@ -148,7 +163,8 @@ def engine_banner(engine: Any, served_model_name: str | None = None) -> str:
 
 def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
-          max_request_bytes: int = 4 * 1024 * 1024, send_timeout: float = 30.0) -> int:
+          max_request_bytes: int = 4 * 1024 * 1024, send_timeout: float = 30.0,
+          reasoning_parser: str | None = None, chat_template: str | None = None) -> int:
     """Serve `async_engine` over HTTP until SIGTERM/SIGINT (exit code 0) or until the engine
     fails (exit code 1, so that a supervisor restarts the server). Logs one line when it
     listens: the model, its dtype, the KV pool's size and the URL."""
@@ -156,7 +172,7 @@ def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key:
 
     warn_if_exposed(host, api_key)
     app = build_app(async_engine, served_model_name, api_key, max_request_bytes=max_request_bytes,
-                    send_timeout=send_timeout)
+                    send_timeout=send_timeout, reasoning_parser=reasoning_parser, chat_template=chat_template)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=5)
     server = _Server(config, async_engine, engine_banner(async_engine.engine, served_model_name))
@@ -229,7 +245,8 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = LeaderEngine(engine)
     async_engine = AsyncEngine(engine, max_pending_requests=args.max_pending_requests)
     code = serve(async_engine, args.host, args.port, api_key_of(args), args.served_model_name, args.shutdown_timeout,
-                 args.log_level, args.max_request_bytes, args.stream_send_timeout)
+                 args.log_level, args.max_request_bytes, args.stream_send_timeout, args.reasoning_parser,
+                 args.chat_template)
     if args.num_processes > 1:  # the followers exit with process 0
         engine.close()
     return code

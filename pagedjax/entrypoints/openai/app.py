@@ -21,17 +21,21 @@ from starlette.requests import ClientDisconnect
 
 from pagedjax.engine.async_engine import AsyncEngine
 from pagedjax.engine.request_stream import EngineDeadError
+from pagedjax.entrypoints.chat_template import load_chat_template
 from pagedjax.entrypoints.openai.control import add_control_routes
 from pagedjax.entrypoints.openai.errors import APIError, bad_request, from_status
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   EmbeddingRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                                   UnloadLoRAAdapterRequest)
+from pagedjax.entrypoints.openai.reasoning import ReasoningParser
 from pagedjax.entrypoints.openai.response_bodies import ModelCard, ModelList
+from pagedjax.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedjax.entrypoints.openai.serving_chat import ChatServing
 from pagedjax.entrypoints.openai.serving_common import ClientDisconnected
 from pagedjax.entrypoints.openai.serving_completion import CompletionServing
 from pagedjax.entrypoints.openai.serving_embedding import EmbeddingServing
+from pagedjax.entrypoints.openai.serving_responses import ResponsesServing
 from pagedjax.entrypoints.openai.serving_tokenize import TokenizeServing
 
 logger = logging.getLogger(__name__)
@@ -113,17 +117,24 @@ class APIKeyMiddleware:
 
 def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               drain_timeout: float = 0.0, max_request_bytes: int = MAX_REQUEST_BYTES,
-              send_timeout: float = 30.0) -> FastAPI:
+              send_timeout: float = 30.0, reasoning_parser: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app in front of `async_engine` (started and shut down
     with the app's lifespan). `send_timeout`: seconds a streaming client may take no data
-    before its request is aborted."""
+    before its request is aborted. `reasoning_parser`: a name of reasoning.REASONING_PARSERS
+    (None: off), which splits `<think>` text off the content. `chat_template`: the chat
+    template to serve instead of the tokenizer's (a Jinja file path or the template text)."""
     name = served_model_name or async_engine.model_name
     metrics = ServerMetrics(async_engine.stats)
     async_engine.metrics = metrics
     tokenizer = _server_tokenizer(async_engine.tokenizer)
+    if chat_template is not None and tokenizer is not None:  # the server's copy: chat, /tokenize, tool detection
+        tokenizer.chat_template = load_chat_template(chat_template)
     cpu = ThreadPoolExecutor(1, thread_name_prefix="pagedjax-cpu")
     completions = CompletionServing(async_engine, name, tokenizer, cpu, send_timeout)
     chat = ChatServing(async_engine, name, tokenizer, cpu, send_timeout)
+    chat.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
+    responses = ResponsesServing(chat)
     tokenize = TokenizeServing(chat)
     embeddings = EmbeddingServing(async_engine, name, tokenizer, cpu, send_timeout)
 
@@ -191,6 +202,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def create_chat_completion(request: Request):
         return await generate(request, ChatCompletionRequest, chat)
+
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def create_response(request: Request):
+        return await generate(request, ResponsesRequest, responses)
 
     @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
     async def create_embeddings(request: Request):
@@ -296,8 +311,8 @@ def _openapi(app: FastAPI) -> dict:
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest,
-                      LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, TokenizeRequest,
+                      DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body

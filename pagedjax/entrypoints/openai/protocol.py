@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 
+from pagedjax.entrypoints.chat_template import MAX_CHAT_TEMPLATE_KWARGS
 from pagedjax.sampling_params import (MAX_BIAS, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                       MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_LISTS)
 
@@ -133,6 +134,12 @@ class _SamplingRequest(_Request):
     use_beam_search: bool | None = False
     length_penalty: float | None = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] | None = False
+    # vLLM: a stop string that ended the output stays in its text
+    include_stop_str_in_output: bool | None = False
+    # vLLM: keep only the prompt's last k tokens (-1: the last max_model_len); checked against max_model_len
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)
+    # vLLM: logprobs name tokens `token_id:N` (tokens that are not valid UTF-8 alone stay telling)
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -227,6 +234,11 @@ class _ChatNoOpFields(_Request):
     audio: None = None  # audio output: only null
 
 
+# extra variables of the chat template; names as Python identifiers, the renderer's own refused (chat_template.py)
+ChatTemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")], Any],
+                               Field(max_length=MAX_CHAT_TEMPLATE_KWARGS), _bounded_dict(MAX_CHAT_TEMPLATE_KWARGS)]
+
+
 class ChatCompletionRequest(_SamplingRequest, _ChatNoOpFields):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -235,6 +247,10 @@ class ChatCompletionRequest(_SamplingRequest, _ChatNoOpFields):
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool | None = None  # default true
+    # vLLM: the chat template's options (chat_template.render_chat)
+    add_generation_prompt: bool | None = True  # open the assistant's turn
+    continue_final_message: bool | None = False  # continue the final assistant message (add_generation_prompt false)
+    chat_template_kwargs: ChatTemplateKwargs | None = None  # extra template variables, e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(_Request):
@@ -244,6 +260,8 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, fail_fast=True)
     add_generation_prompt: bool | None = True  # messages only
+    continue_final_message: bool | None = False  # messages only, as in chat requests
+    chat_template_kwargs: ChatTemplateKwargs | None = None  # messages only
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
     return_token_strs: bool | None = False
 

@@ -75,14 +75,16 @@ class ToolCall(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None  # --reasoning-parser: the thinking (left out when none)
     content: str | None = None
     tool_calls: list[ToolCall] | None = None  # left out of the JSON when none
 
     @model_serializer(mode="wrap")
     def _drop_no_tool_calls(self, handler):
         body = handler(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if body.get(key) is None:
+                body.pop(key, None)
         return body
 
 
@@ -105,6 +107,7 @@ class ChatCompletionResponse(BaseModel):
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the thinking (nulls are left out of chunks)
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {name, arguments}}: no nulls
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request
 
 from pagedjax.outputs import CompletionOutput
 from pagedjax.engine.async_engine import EngineDeadError, ShuttingDownError
+from pagedjax.engine.request_stream import RequestStream
+from pagedjax.entrypoints.chat_template import ChatTemplateError, render_chat
 from pagedjax.entrypoints.openai.errors import APIError, bad_request
 from pagedjax.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedjax.entrypoints.openai.response_bodies import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -16,13 +19,48 @@ from pagedjax.entrypoints.openai.response_bodies import (ChatChoice, ChatChunkCh
                                                          ChatTokenLogprob, DeltaMessage, TopLogprob)
 from pagedjax.entrypoints.openai.serving_common import ServingBase, completions_by_index, finite, top_logprobs
 from pagedjax.entrypoints.openai.streaming import SSE_DONE, json_bytes, json_dumps, json_response, merge_streams, sse
-from pagedjax.entrypoints.openai.tool_calls import ToolPlan, ToolStreams, plan_tools, template_messages, tool_constraint
+from pagedjax.entrypoints.openai.chat_output import OutputParser
+from pagedjax.entrypoints.openai.reasoning import ReasoningParser
+from pagedjax.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages, tool_constraint
+
+
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request added to the engine: what its answer is built from."""
+
+    request_id: str
+    ids: list[int]  # the prompt's token ids
+    streams: list[RequestStream]
+    n: int
+    k: int | None  # top logprobs per token (None: no logprobs)
+    tools: ToolPlan | None
+    model: str  # the name the answer gives (a LoRA adapter's, or the served model's)
+    reasoning: ReasoningParser | None = None  # None: off, or the output is constrained
+    in_reasoning: bool = False  # the output starts inside the reasoning
+    token_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens `token_id:N`
+
+    def parser(self) -> OutputParser:
+        """Fresh per-choice parsers of the output (reasoning, then tool calls)."""
+        return OutputParser(self.tools, self.reasoning, self.in_reasoning)
 
 
 class ChatServing(ServingBase):
     """Handler of /v1/chat/completions."""
 
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (build_app sets it)
+
     async def create(self, req: ChatCompletionRequest, request: Request):
+        run = await self.start(req, request)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self.event_stream(self.stream(run, include_usage), run.streams)
+        finals = await self.collect(request, run.streams)
+        # built and serialized on the worker thread: a big logprobs answer never stalls the loop
+        return json_response(await self.run_cpu(self.response_body, run, finals[0]))
+
+    async def start(self, req: ChatCompletionRequest, request: Request, request_id: str | None = None) -> ChatRun:
+        """Check `req`, render and tokenize its prompt and add it to the engine (also the
+        first half of /v1/responses, whose requests convert to chat requests)."""
         lora = self.check_common(req)
         model = lora.lora_name if lora is not None else self.served_model_name
         tools = plan_tools(req, self.tokenizer)  # None: no tools (tool_calls.py)
@@ -30,83 +68,93 @@ class ChatServing(ServingBase):
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         spec, spec_param = tool_constraint(tools, *self.structured_outputs(req))
-        ids = await self.run_cpu(self.prompt_ids, req.messages, tools)
+        ids = await self.run_cpu(self.prompt_ids, req.messages, tools, req)
         if spec is not None:
             await self.compile_structured_outputs(spec, spec_param)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self.resolve_max_tokens(requested, None, len(ids), param, "messages")
+        max_tokens = self.resolve_max_tokens(requested, self.default_max_tokens(), len(ids), param, "messages")
         if req.use_beam_search:  # n beams, best first, as n choices
             params = self.beam_search_params(req, max_tokens)
         else:
             params = self.sampling_params(req, max_tokens, k, structured_outputs=spec)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # a constrained output follows its grammar from the first token: there is no reasoning to split off
+        reasoning = self.reasoning_parser if spec is None else None
+        in_reasoning = reasoning is not None and reasoning.starts_in_reasoning(await self.run_cpu(self.prompt_tail, ids))
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, [ids], [params], req.cache_salt, request, lora)
-        n = req.n or 1
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self.event_stream(self.stream(request_id, ids, streams, n, k, include_usage, tools, model),
-                                     streams)
-        finals = await self.collect(request, streams)
-        # built and serialized on the worker thread: a big logprobs answer never stalls the loop
-        return json_response(await self.run_cpu(self.response_body, request_id, ids, streams, finals[0], n, k,
-                                                tools, model))
+        return ChatRun(request_id, ids, streams, req.n or 1, k, tools, model, reasoning, in_reasoning,
+                       bool(req.return_tokens_as_token_ids))
 
-    def response_body(self, request_id: str, ids: list[int], streams, final, n: int, k: int | None,
-                      tools: ToolPlan | None = None, model: str | None = None) -> bytes:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self.logprobs(c, k), finish_reason=c.finish_reason or "abort")
-                   for c in completions_by_index(final, n)]
-        if tools is not None and tools.parses:  # the text becomes content and tool calls
-            for ch in choices:
-                ch.message.content, ch.message.tool_calls, ch.finish_reason = tools.message(
-                    ch.message.content or "", ch.finish_reason)
-        return json_bytes(ChatCompletionResponse(id=request_id, model=model or self.served_model_name, choices=choices,
-                                                 usage=self.usage([ids], streams)).model_dump())
+    def prompt_tail(self, ids: list[int]) -> str:
+        """The text of the prompt's last few tokens (where a template may open `<think>`)."""
+        return self.tokenizer.decode(ids[-8:]) if self.tokenizer is not None else ""
 
-    def prompt_ids(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
-        """Render the chat template (with the generation prompt) and tokenize it."""
-        ids = self.encode(self.render(messages, tools=tools), "messages", add_special_tokens=False)
+    def response_body(self, run: ChatRun, final) -> bytes:
+        parser = run.parser()
+        choices = []
+        for c in completions_by_index(final, run.n):
+            reasoning, content, calls, reason = parser.message(c.text, c.finish_reason or "abort")
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(
+                reasoning_content=reasoning, content=content, tool_calls=calls),
+                logprobs=self.logprobs(c, run.k, run.token_ids), finish_reason=reason))
+        return json_bytes(ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices,
+                                                 usage=self.usage([run.ids], run.streams)).model_dump())
+
+    def prompt_ids(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
+                   req: ChatCompletionRequest | None = None) -> list[int]:
+        """Render the chat template and tokenize it, with the rendering options of `req`
+        (add_generation_prompt, continue_final_message, chat_template_kwargs; None: the
+        generation prompt only) and its truncate_prompt_tokens."""
+        text = self.render(messages, True if req is None else req.add_generation_prompt is not False, tools,
+                           continue_final_message=req is not None and bool(req.continue_final_message),
+                           chat_template_kwargs=req.chat_template_kwargs if req is not None else None)
+        ids = self.encode(text, "messages", add_special_tokens=False)
+        ids = self.truncate(ids, req.truncate_prompt_tokens if req is not None else None)
         self.check_prompt_ids(ids, "messages")
         return ids
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               tools: ToolPlan | None = None) -> str:
-        """The prompt text of `messages` (the chat template rendered, with the tools if any)."""
+               tools: ToolPlan | None = None, *, continue_final_message: bool = False,
+               chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text of `messages` (the chat template rendered, with the tools if any):
+        chat_template.render_chat, its errors as 400s naming the field."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         rendered = template_messages(messages, self.tokenizer, tools)
         try:
-            return self.tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None,
-                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+            return render_chat(self.tokenizer, rendered, tools=tools.tools if tools else None,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               chat_template_kwargs=chat_template_kwargs)
         except ImportError as exc:  # no template engine (jinja2) here: the server's fault, not the request's
             raise APIError(f"the server cannot render chat templates: {exc}", 500, "server_error") from None
-        except Exception as exc:  # jinja errors: the template rejects these messages
-            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        except ChatTemplateError as exc:  # options that do not go together; the template rejects the messages
+            raise bad_request(str(exc), exc.param) from None
 
-    def logprobs(self, c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
-        """Chat-style logprobs of c's tokens (None when not requested)."""
+    def logprobs(self, c: CompletionOutput, k: int | None, as_token_ids: bool = False) -> ChatLogprobs | None:
+        """Chat-style logprobs of c's tokens (None when not requested); as_token_ids: tokens
+        named `token_id:N` (return_tokens_as_token_ids)."""
         if k is None:
             return None
         entries = c.logprobs or []
         content = []
         for pos, tid in enumerate(c.token_ids):
             entry = entries[pos] if pos < len(entries) else {}
-            token = self.decode_token(tid)
-            top = [self.top_entry(t, v) for t, v in top_logprobs(entry, k)]
+            token = self.token_text(tid, as_token_ids)
+            top = [self.top_entry(t, v, as_token_ids) for t, v in top_logprobs(entry, k)]
             content.append(ChatTokenLogprob(token=token, logprob=finite(entry.get(tid, float("-inf"))),
                                             bytes=list(token.encode("utf-8")), top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def top_entry(self, tid: int, logprob: float) -> TopLogprob:
-        token = self.decode_token(tid)
+    def top_entry(self, tid: int, logprob: float, as_token_ids: bool = False) -> TopLogprob:
+        token = self.token_text(tid, as_token_ids)
         return TopLogprob(token=token, logprob=finite(logprob), bytes=list(token.encode("utf-8")))
 
-    async def stream(self, request_id: str, ids: list[int], streams, n: int, k: int | None, include_usage: bool,
-                     tools: ToolPlan | None = None, model: str | None = None):
+    async def stream(self, run: ChatRun, include_usage: bool):
         """SSE chunks: a role delta per choice, content deltas, finish reasons, usage, [DONE]."""
         created = int(time.time())
-        model = model or self.served_model_name
+        request_id, ids, streams, n, k, model = run.request_id, run.ids, run.streams, run.n, run.k, run.model
 
         def chunk(choice: ChatChunkChoice | None, usage=None) -> str:
             body = ChatCompletionChunk(id=request_id, created=created, model=model,
@@ -118,7 +166,7 @@ class ChatServing(ServingBase):
             return sse(json_dumps(body))
 
         done: set[int] = set()
-        parsers = ToolStreams(tools) if tools is not None and tools.parses else None  # text -> tool calls
+        parser = run.parser()  # text -> reasoning, content and tool calls
 
         def chunks_of(out) -> str:
             text = ""
@@ -128,17 +176,18 @@ class ChatServing(ServingBase):
                     continue
                 if reason is not None:
                     done.add(c.index)
-                parts = [({"content": c.text or None}, reason)] if parsers is None else \
-                    parsers.deltas(c.index, c.text, reason)
-                for j, (fields, why) in enumerate(parts):
-                    text += chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(**fields),
-                                                  logprobs=self.logprobs(c, k) if j == 0 else None, finish_reason=why))
+                for j, (fields, why) in enumerate(parser.deltas(c.index, c.text, reason)):
+                    lp = self.logprobs(c, k, run.token_ids) if j == 0 else None
+                    if why is None and lp is None and all(v is None for v in fields.values()):
+                        continue  # nothing to say yet (a tag's first characters held back)
+                    text += chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(**fields), logprobs=lp,
+                                                  finish_reason=why))
             return text
 
         try:
             for i in range(n):
                 yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                        content="" if parsers is None else None)))
+                                                                        content="" if parser.tools is None else None)))
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for _, out in merged:
                     # logprobs can make a chunk large: build those off the event loop

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedjax.core.beam_search import BeamSearchParams
 from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, context_length_message
 from pagedjax.engine.async_engine import AsyncEngine
 from pagedjax.lora.request import LoRARequest
 from pagedjax.engine.request_stream import (EngineDeadError, QueueFullError, RequestStream, ShuttingDownError,
@@ -62,8 +62,15 @@ class ServingBase:
         model_config = getattr(engine.engine, "model_config", None)
         self.vocab_size = (getattr(model_config, "vocab_size", None) or getattr(engine.engine, "vocab_size", None)
                            or (len(tokenizer) if tokenizer is not None else 2**31))
-        decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else (lambda tid: f"token_id:{tid}")
+        decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else token_id_text
         self.decode_token = lru_cache(maxsize=65536)(decode)
+        # what a request that leaves them unset samples with: the model's generation_config.json
+        # (LLMEngine.sampling_defaults, --generation-config), else OpenAI's defaults
+        self.sampling_defaults: dict = dict(getattr(engine.engine, "sampling_defaults", None) or {})
+
+    def token_text(self, tid: int, as_token_ids: bool = False) -> str:
+        """A token as logprobs show it: its text, or `token_id:N` (return_tokens_as_token_ids)."""
+        return token_id_text(tid) if as_token_ids else self.decode_token(tid)
 
     async def run_cpu(self, fn: Callable, *args, **kwargs):
         """fn(*args, **kwargs) on the CPU worker thread."""
@@ -101,6 +108,7 @@ class ServingBase:
         if bad is not None:
             raise bad_request(f"`allowed_token_ids`: token id {bad} is out of range [0, {self.vocab_size})",
                               "allowed_token_ids")
+        self.check_truncation(req.truncate_prompt_tokens)
         if req.bad_words and self.tokenizer is None:
             raise bad_request("`bad_words` need a tokenizer: this model has none", "bad_words")
         if req.use_beam_search:
@@ -108,6 +116,25 @@ class ServingBase:
                 raise bad_request("`use_beam_search` is not supported with a LoRA adapter", "use_beam_search")
             self.check_beam_search(req)
         return lora
+
+    def check_truncation(self, k: int | None) -> None:
+        """truncate_prompt_tokens: None, -1 (max_model_len) or 1 .. max_model_len, else a 400."""
+        if k is not None and not (k == -1 or 1 <= k <= self.max_model_len):
+            raise bad_request(f"`truncate_prompt_tokens` must be -1 (keep the last max_model_len tokens) or in [1, "
+                              f"{self.max_model_len}] (this model's maximum context length), got {k}",
+                              "truncate_prompt_tokens")
+
+    def truncate(self, ids: list[int], k: int | None) -> list[int]:
+        """The prompt's last k token ids (truncate_prompt_tokens, checked by check_common)."""
+        if k is None:
+            return ids
+        return ids[-(self.max_model_len if k == -1 else k):]
+
+    def default_max_tokens(self, request_default: int | None = None) -> int | None:
+        """max_tokens of a request that leaves it unset: the smaller of the endpoint's own
+        default and the model's generation config (max_new_tokens); None: all the room left."""
+        given = [v for v in (request_default, self.sampling_defaults.get("max_tokens")) if v is not None]
+        return min(given) if given else None
 
     def check_beam_search(self, req: _SamplingRequest) -> None:
         """Beam search is deterministic and keeps no per-token logprobs: what would change its
@@ -150,25 +177,28 @@ class ServingBase:
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                              f"requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
-                              f"{requested} for the completion). Reduce the prompt or `{param}`.",
-                              param, "context_length_exceeded")
+            raise bad_request(context_length_message(self.max_model_len, num_prompt, requested, param), param,
+                              "context_length_exceeded")
         return requested
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        d = self.sampling_defaults
+
+        def given(value, name: str, openai_default):
+            return value if value is not None else d.get(name, openai_default)
+
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0, min_p=req.min_p or 0.0, n=req.n or 1, seed=req.seed,
-                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos),
+                temperature=given(req.temperature, "temperature", 1.0), top_p=given(req.top_p, "top_p", 1.0),
+                top_k=given(req.top_k, "top_k", 0), min_p=given(req.min_p, "min_p", 0.0), n=req.n or 1,
+                seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos),
+                include_stop_str_in_output=bool(req.include_stop_str_in_output),
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=req.logit_bias or None, min_tokens=req.min_tokens or 0,
                 bad_words=req.bad_words or None, allowed_token_ids=req.allowed_token_ids,
                 structured_outputs=structured_outputs)
@@ -325,6 +355,12 @@ class ServingBase:
     def event_stream(self, chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
         """The streaming response of `streams`, its chunks from `chunks`."""
         return SSEResponse(chunks, self.send_timeout, streams)
+
+
+def token_id_text(tid: int) -> str:
+    """vLLM's spelling of a token by its id (return_tokens_as_token_ids; models without a
+    tokenizer)."""
+    return f"token_id:{tid}"
 
 
 def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:

@@ -39,6 +39,7 @@ class _Shape:
     engine_prompt_logprobs: int | None  # top k of the prompt logprobs the engine was asked for
     scoring: bool  # max_tokens == 0: the prompt is only scored
     model: str  # the model name the response gives: the base model's or the LoRA adapter's
+    token_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens `token_id:N`
 
 
 class CompletionServing(ServingBase):
@@ -59,11 +60,12 @@ class CompletionServing(ServingBase):
         if req.echo and self.tokenizer is None:
             raise bad_request("`echo` needs a tokenizer: this model has none", "echo")
         spec, spec_param = self.structured_outputs(req)
-        prompts, texts = await self.run_cpu(self.prompt_ids, req.prompt, bool(req.echo))
+        prompts, texts = await self.run_cpu(self.prompt_ids, req.prompt, bool(req.echo), req.truncate_prompt_tokens)
         if spec is not None:
             await self.compile_structured_outputs(spec, spec_param)
-        max_tokens = [self.resolve_max_tokens(req.max_tokens if explicit else None, None if explicit else 16,
-                                              len(ids), "max_tokens", "prompt") for ids in prompts]
+        default = None if explicit else self.default_max_tokens(16)
+        max_tokens = [self.resolve_max_tokens(req.max_tokens if explicit else None, default, len(ids), "max_tokens",
+                                              "prompt") for ids in prompts]
         k = req.logprobs
         # the engine's prompt logprobs: what prompt_logprobs asks for, and the echo's logprobs
         engine_plp = req.prompt_logprobs
@@ -84,7 +86,8 @@ class CompletionServing(ServingBase):
         streams = await self.submit(request_id, prompts, params, req.cache_salt, request, lora)
         n = req.n or 1
         shape = _Shape(n, k, texts if req.echo else None, req.prompt_logprobs, engine_plp, req.max_tokens == 0,
-                       lora.lora_name if lora is not None else self.served_model_name)
+                       lora.lora_name if lora is not None else self.served_model_name,
+                       bool(req.return_tokens_as_token_ids))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.event_stream(self.stream(request_id, prompts, streams, shape, include_usage), streams)
@@ -114,8 +117,9 @@ class CompletionServing(ServingBase):
             lp = CompletionLogprobs()
             if shape.echo is not None and first:
                 entries = out.prompt_logprobs or [None] * len(prompt)
-                offset = self.add_logprobs(lp, prompt, entries, shape.k, offset)
-            offset = self.add_logprobs(lp, c.token_ids, c.logprobs or [{}] * len(c.token_ids), shape.k, offset)
+                offset = self.add_logprobs(lp, prompt, entries, shape.k, offset, shape.token_ids)
+            offset = self.add_logprobs(lp, c.token_ids, c.logprobs or [{}] * len(c.token_ids), shape.k, offset,
+                                       shape.token_ids)
         if shape.echo is not None and first:
             text = shape.echo[p] + text
         plp = None
@@ -147,9 +151,11 @@ class CompletionServing(ServingBase):
             out.append(item)
         return out
 
-    def prompt_ids(self, prompt, echo: bool = False) -> tuple[list[list[int]], list[str] | None]:
-        """Token ids of each prompt (a string, strings, token ids or lists of token ids), and
-        with `echo` each prompt's text (token-id prompts decoded)."""
+    def prompt_ids(self, prompt, echo: bool = False, truncate: int | None = None
+                   ) -> tuple[list[list[int]], list[str] | None]:
+        """Token ids of each prompt (a string, strings, token ids or lists of token ids; with
+        `truncate` (truncate_prompt_tokens) only their last that many), and with `echo` each
+        prompt's text (token-id prompts and truncated ones decoded)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif not prompt:
@@ -160,26 +166,29 @@ class CompletionServing(ServingBase):
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         out, texts = [], []
         for p in prompt:
-            ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
+            full = self.encode(p, "prompt") if isinstance(p, str) else list(p)
+            ids = self.truncate(full, truncate)
             self.check_prompt_ids(ids, "prompt")
             out.append(ids)
             if echo:
-                texts.append(p if isinstance(p, str) else self.tokenizer.decode(ids))
+                texts.append(p if isinstance(p, str) and len(ids) == len(full) else self.tokenizer.decode(ids))
         return out, (texts if echo else None)
 
-    def add_logprobs(self, lp: CompletionLogprobs, token_ids: list[int], entries, k: int, offset: int) -> int:
+    def add_logprobs(self, lp: CompletionLogprobs, token_ids: list[int], entries, k: int, offset: int,
+                     as_token_ids: bool = False) -> int:
         """Append the logprobs of `token_ids` (entries[i]: {token id: logprob} of token i, None
-        where there is none: the first prompt token) to lp; returns the text offset after them."""
+        where there is none: the first prompt token) to lp; returns the text offset after them
+        (of the text, also when as_token_ids names the tokens `token_id:N`)."""
         for pos, tid in enumerate(token_ids):
             entry = entries[pos] if pos < len(entries) else {}
             token = self.decode_token(tid)
-            lp.tokens.append(token)
+            lp.tokens.append(self.token_text(tid, as_token_ids))
             if entry is None:
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
             else:
                 lp.token_logprobs.append(finite(entry[tid]) if tid in entry else None)
-                lp.top_logprobs.append({self.decode_token(t): finite(v) for t, v in top_logprobs(entry, k)})
+                lp.top_logprobs.append({self.token_text(t, as_token_ids): finite(v) for t, v in top_logprobs(entry, k)})
             lp.text_offset.append(offset)
             offset += len(token)
         return offset

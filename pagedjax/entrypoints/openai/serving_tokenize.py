@@ -28,7 +28,9 @@ class TokenizeServing(ServingBase):
 
     def _tokenize(self, req: TokenizeRequest) -> dict:
         if req.messages is not None:
-            text = self.chat.render(req.messages, req.add_generation_prompt is not False)
+            text = self.chat.render(req.messages, req.add_generation_prompt is not False,
+                                    continue_final_message=bool(req.continue_final_message),
+                                    chat_template_kwargs=req.chat_template_kwargs)
             ids = self.encode(text, "messages", add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = self.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)

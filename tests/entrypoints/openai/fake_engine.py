@@ -275,8 +275,8 @@ class FakeEngine:
         elif tid in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tid
         for s in p.stop_strings:
-            if s in seq.text:
-                seq.text = seq.text[: seq.text.index(s)]
+            if s in seq.text:  # cut before it (after it with include_stop_str_in_output)
+                seq.text = seq.text[: seq.text.index(s) + (len(s) if p.include_stop_str_in_output else 0)]
                 seq.finish_reason, seq.stop_reason = "stop", s
                 return
         if seq.finish_reason is None and (len(seq.token_ids) >= p.max_tokens or

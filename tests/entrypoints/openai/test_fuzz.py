@@ -3,18 +3,27 @@ every documented shape get an answer below 500, and the server stays healthy."""
 from __future__ import annotations
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
 from pagedjax.entrypoints.openai import AsyncEngine, build_app
 
-from .conftest import MODEL
+from .conftest import MODEL, running_server
 from .fake_engine import FakeEngine
 
 schema = schemathesis.openapi.from_dict(build_app(AsyncEngine(FakeEngine()), MODEL).openapi())
 schema.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE])
 
 EXAMPLES = 20  # per operation and mode: ~290 cases in all
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One server for every case; a short context, so a valid request that asks for no limit
+    generates 32 tokens, not 256 (the cases check answers, not lengths)."""
+    with running_server(FakeEngine(max_model_len=32, step_delay=0.001)) as s:
+        yield s
 
 
 @schema.parametrize()
