@@ -11,7 +11,7 @@ REPO = "some-org/some-model"
 REV = "a" * 40
 
 
-def fake_snapshot(cache, repo: str = REPO, files=("config.json", "tokenizer.json")):
+def fake_snapshot(cache, repo: str = REPO, files=("config.json", "tokenizer.json", "model.safetensors")):
     """A Hugging Face cache entry for `repo`: models--org--name/snapshots/REV/<files>, refs/main."""
     entry = cache / ("models--" + repo.replace("/", "--"))
     snapshot = entry / "snapshots" / REV
@@ -54,6 +54,16 @@ def test_a_local_directory_wins_over_an_id(env, tmp_path):
     fake_snapshot(tmp_path / "hub-cache")
     env.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     assert resolve_model_dir(REPO) == local.relative_to(tmp_path)
+
+
+def test_a_snapshot_without_weights_is_not_taken_for_the_model(env, tmp_path):
+    """A tokenizer-only download (AutoTokenizer.from_pretrained) leaves a snapshot with no
+    weights: offline, the error says so instead of a loader failure on missing files."""
+    fake_snapshot(tmp_path / "hub-cache", files=("config.json", "tokenizer.json"))
+    env.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    env.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="has a snapshot of it without weights"):
+        resolve_model_dir(REPO)
 
 
 def test_offline_and_not_cached_says_where_it_looked(env, tmp_path):

@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from pagedjax.sampling_params import MAX_INT32
-from pagedjax.entrypoints.openai.protocol import MAX_ID_LENGTH, MAX_SALT_LENGTH, MAX_TOOLS, ToolName, _bounded_dict, _Request
+from pagedjax.entrypoints.openai.protocol import (MAX_ID_LENGTH, MAX_SALT_LENGTH, MAX_TOOLS, FunctionDefinition,
+                                                  _bounded_dict, _Request)
 
 Status = Literal["in_progress", "completed", "incomplete"]
 MAX_ITEMS = 4096  # input items per request
@@ -111,12 +112,9 @@ InputItem = Annotated[
                   + " (this server stores nothing, so `item_reference` is not supported)")]
 
 
-class FunctionTool(_Request):
+class FunctionTool(FunctionDefinition):
+    """A function tool in the Responses shape: the chat API's function definition, flat."""
     type: Literal["function"]
-    name: ToolName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; none: no arguments
-    strict: bool | None = None  # required/named calls always follow the schema here
 
 
 class ToolChoiceFunction(_Request):

@@ -277,7 +277,10 @@ def test_required(tserver, tclient):
     assert (c.message.content, c.finish_reason) == (None, "tool_calls")
     assert calls(c.message) == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "UTC"})]
     same(r, s)
-    # the first call streams as soon as its array element closes, before the output ends
+    # the first call streams as soon as its array element closes, before the output ends (with
+    # logprobs every token has a chunk, so the tokens between the two calls show as chunks)
+    chunks = list(tclient.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                  logprobs=True, stream=True))
     with_calls = [i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].delta.tool_calls]
     assert len(with_calls) == 2 and with_calls[0] < with_calls[1] - 3
 
