@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
                                description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-                                           "...) over the embedded default model or a local HF model dir.")
+                                           "/v1/responses, ...) over the embedded default model, a local HF model "
+                                           "dir or a Hugging Face id.")
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
     from pagedjax.entrypoints.bench import add_bench_parser

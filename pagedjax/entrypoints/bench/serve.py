@@ -84,6 +84,9 @@ def _json_object(text: str) -> dict:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """ValueErrors naming the flag (a usage error, exit code 2)."""
+    if not args.base_url.startswith(("http://", "https://")):
+        raise ValueError(f"--base-url must start with http:// or https://, got {args.base_url!r} (e.g. "
+                         f"http://{args.base_url})")
     if args.dataset is None:
         args.dataset = "file" if args.dataset_path else "random"
     if (args.dataset == "file") != (args.dataset_path is not None):

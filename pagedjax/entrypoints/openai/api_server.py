@@ -176,6 +176,8 @@ def serve(async_engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=5)
     server = _Server(config, async_engine, engine_banner(async_engine.engine, served_model_name))
+    if reasoning_parser:
+        logger.info("reasoning parser %s: <think>...</think> goes to reasoning_content", reasoning_parser)
 
     def engine_died() -> None:
         logger.error("the engine failed: the server stops (exit code 1)")

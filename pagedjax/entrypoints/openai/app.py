@@ -207,6 +207,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
     async def create_response(request: Request):
         return await generate(request, ResponsesRequest, responses)
 
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], include_in_schema=False)
+    @app.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"], include_in_schema=False)
+    async def stored_response(response_id: str, action: str | None = None):
+        raise APIError(f"no response {response_id!r}: this server stores no responses (`store` is accepted and "
+                       "nothing is kept), so none can be retrieved, listed, cancelled or deleted", 404,
+                       "not_found_error", "response_id")
+
     @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
     async def create_embeddings(request: Request):
         return await generate(request, EmbeddingRequest, embeddings)

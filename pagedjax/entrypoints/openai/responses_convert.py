@@ -23,9 +23,10 @@ from pagedjax.entrypoints.openai.responses_protocol import (FunctionCallItem, Fu
 
 # a sampling request's unsupported fields: only their null (or the default) is accepted
 UNSUPPORTED = {
-    "previous_response_id": "responses are not stored on this server (`store` is ignored): send the whole "
-                            "conversation in `input`",
-    "conversation": "conversations are not stored on this server: send the whole conversation in `input`",
+    "previous_response_id": "`previous_response_id` is not supported: this server stores no responses (`store` "
+                            "is accepted and nothing is kept); send the whole conversation in `input`",
+    "conversation": "`conversation` is not supported: this server stores no conversations; send the whole "
+                    "conversation in `input`",
     "background": "background responses are not supported (they need stored responses): leave `background` false",
     "prompt": "stored prompt templates are not supported: send the prompt in `input` / `instructions`",
     "max_tool_calls": "`max_tool_calls` is not supported",

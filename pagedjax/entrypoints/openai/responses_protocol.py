@@ -39,7 +39,21 @@ class Refusal(_Request):
     refusal: str
 
 
-ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+PART_TYPES = ("input_text", "output_text", "refusal")
+
+
+def _part_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in PART_TYPES else None
+
+
+ContentPart = Annotated[
+    Annotated[InputText, Tag("input_text")] | Annotated[OutputText, Tag("output_text")]
+    | Annotated[Refusal, Tag("refusal")],
+    Discriminator(_part_type, custom_error_type="invalid_content_part",
+                  custom_error_message="a content part must be an object whose `type` is one of "
+                  + ", ".join(PART_TYPES) + " (this server serves text-only models: no input_image, input_file "
+                  "or input_audio)")]
 
 
 class MessageItem(_Request):

@@ -135,6 +135,7 @@ def test_dataset_file(server, tmp_path):
     (["--extra-body", "[1]"], "JSON object"),
     (["--dataset", "file"], "--dataset file and --dataset-path go together"),
     (["--no-stream", "--goodput", "ttft:100"], "need streamed requests"),
+    (["--base-url", "127.0.0.1:8000"], "--base-url must start with http:// or https://"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -197,8 +197,8 @@ def test_max_output_tokens_incomplete(server, client):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
-    ({"conversation": "conv_1"}, "conversation", "not stored"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "`previous_response_id` is not supported"),
+    ({"conversation": "conv_1"}, "conversation", "`conversation` is not supported"),
     ({"background": True}, "background", "background"),
     ({"tools": [{"type": "web_search"}]}, "tools", "built-in tool 'web_search'"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools", "file_search"),
@@ -223,8 +223,22 @@ def test_unsupported_is_400(server, body, param, words):
     assert error["param"] == param and words in error["message"], error
 
 
+def test_stored_responses_are_a_clear_404(server):
+    for method, path in [("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+                         ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items")]:
+        r = httpx.request(method, server.url + path)
+        assert r.status_code == 404, (method, path, r.text)
+        assert "this server stores no responses" in r.json()["error"]["message"]
+
+
+def test_an_image_input_says_the_server_is_text_only(server):
+    item = {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": [item]})
+    assert r.status_code == 400 and "text-only models: no input_image" in r.json()["error"]["message"], r.text
+
+
 def test_400_through_the_client(client):
-    with pytest.raises(openai.BadRequestError, match="not stored"):
+    with pytest.raises(openai.BadRequestError, match="previous_response_id` is not supported"):
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
     with pytest.raises(openai.BadRequestError, match="input"):
         client.responses.create(model=MODEL)
