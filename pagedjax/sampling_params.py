@@ -105,6 +105,13 @@ class SamplingParams:
     # max_tokens came from the caller (not the default): set by __post_init__, not compared
     max_tokens_given: bool = field(init=False, repr=False, compare=False, default=False)
 
+    def held_to_room(self) -> "SamplingParams":
+        """These params with their max_tokens as a default, not a promise: held to the room a
+        prompt leaves below max_model_len instead of an error (generation-config defaults,
+        flags not given, a library's own settings). Returns self."""
+        self.max_tokens_given = False
+        return self
+
     def __post_init__(self) -> None:
         """Checks every field against what the engine can represent: a request that passes
         can never make a step fail."""

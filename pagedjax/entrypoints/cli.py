@@ -62,8 +62,7 @@ def _sampling_params(args: argparse.Namespace, model_defaults: dict | None = Non
         params = SamplingParams(**kwargs)
     except ValueError as e:
         raise ValueError(flag_names(str(e), {name: flag for name, (flag, _) in SAMPLING_OPTIONS.items()})) from None
-    params.max_tokens_given = given.get("max_tokens") is not None  # a default is held to the room left
-    return params
+    return params if given.get("max_tokens") is not None else params.held_to_room()
 
 
 def _check_generate(args: argparse.Namespace) -> None:

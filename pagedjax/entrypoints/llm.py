@@ -50,9 +50,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams a call without any uses: the engine's defaults with the model's
         generation_config.json sampling fields over them (EngineConfig.generation_config)."""
-        params = SamplingParams(**self.engine.sampling_defaults)
-        params.max_tokens_given = False  # a default (max_new_tokens too) is held to the room a prompt leaves
-        return params
+        return SamplingParams(**self.engine.sampling_defaults).held_to_room()  # max_new_tokens too is a default
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

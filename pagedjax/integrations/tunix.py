@@ -287,8 +287,7 @@ class PagedJaxRollout(base_rollout.BaseRollout):
                                 top_p=1.0 if greedy else float(config.top_p),
                                 top_k=0 if greedy or not config.top_k else int(config.top_k),
                                 stop_token_ids=list(eos), logprobs=0 if config.return_logprobs else None)
-        params.max_tokens_given = False  # as Tunix's sampler: a prompt past max_prompt_length is held to the cache
-        return params
+        return params.held_to_room()  # as Tunix's sampler: a prompt past max_prompt_length is held to the cache
 
 
 def _lora_rank(lora: nnx.State) -> int:

@@ -63,3 +63,15 @@ def test_defaults_are_held_not_promised(llm):
     assert SamplingParams(max_tokens=64) == SamplingParams()  # the flag is not part of equality
     out = llm.generate([[5] * 60], SamplingParams(ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4
+
+
+def test_generate_flags_promise_max_tokens_only_when_given():
+    """`pagedjax generate` without --max-tokens holds its default (128) to the room left; with
+    the flag, the number must fit."""
+    from pagedjax.entrypoints.cli import build_parser, _sampling_params
+
+    parse = build_parser().parse_args
+    unset = _sampling_params(parse(["generate", "hi"]))
+    given = _sampling_params(parse(["generate", "hi", "--max-tokens", "128"]))
+    assert unset.max_tokens == given.max_tokens == 128
+    assert not unset.max_tokens_given and given.max_tokens_given

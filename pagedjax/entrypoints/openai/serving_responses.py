@@ -48,7 +48,7 @@ class ResponsesServing:
     def usage(self, run: ChatRun, cached_tokens: int, reasoning: str) -> dict:
         """Token counts; the reasoning's are those of its text, tokenized again (on the worker thread)."""
         reasoning_tokens = len(self.chat.encode(reasoning, "input", add_special_tokens=False)) if reasoning else 0
-        output_tokens = sum(n for s in run.streams for n in s.num_tokens.values())
+        output_tokens = self.chat.usage([run.ids], run.streams).completion_tokens
         return ResponseBuilder.usage(len(run.ids), output_tokens, cached_tokens, reasoning_tokens)
 
     async def events(self, builder: ResponseBuilder, run: ChatRun):
