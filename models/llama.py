@@ -149,11 +149,11 @@ class Placement:
         # AVX2; float32: AVX2), wherever one serves the shape (cpu_matmul.supported)
         self.native_matmul = ((mesh is None or mesh.devices.size == 1) and jax.default_backend() == "cpu"
                               and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32))
-        # the vocab head too where the kernel has AMX (measured on SmolLM2's [49152, 576] head, 8-16
-        # rows: 2.6-2.8 ms against XLA's 3.6-3.8) or takes the AVX2 path (f32 at 2-32 rows: 4.8-17 ms
-        # against 10-21); its AVX512-BF16 path loses to XLA there
-        avx512 = jnp.dtype(dtype) == jnp.bfloat16 and cpu_matmul.available()
-        self.native_head = self.native_matmul and (cpu_matmul.amx_available() if avx512 else cpu_matmul.avx2_available())
+        # the vocab head too (decode-sized rows, cpu_matmul.head_max_rows): XLA:CPU's dot widens a
+        # bf16 head to float32 on every call (SmolLM2's [49152, 576]: 170 MB written and read
+        # again per step), while the kernels stream it once (AMX, the AVX512-BF16 GEMV tiles,
+        # AVX2; scripts/bench_matmul.py)
+        self.native_head = self.native_matmul
 
     def __call__(self, arrays: dict, name: str) -> nnx.Param:
         dtype = self.dtype if name in MATRICES else jnp.float32

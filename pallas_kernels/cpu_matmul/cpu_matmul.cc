@@ -71,6 +71,55 @@ inline void Tile(const uint16_t* xb, const uint16_t* w, int64_t in, int64_t m0, 
   for (int64_t r = 0; r < kRows && m0 + r < m_count; ++r) std::memcpy(y + (m0 + r) * out_count + o0, lanes + 4 * r, 16);
 }
 
+// ---- GEMV: up to 8 rows of x -------------------------------------------------------------
+// A decode step of a few sequences reads every weight once and does little arithmetic per
+// byte, so it is bound by how fast the weights stream in. The 4 x 4 tiles above walk four
+// weight rows side by side (four short strided streams, which the hardware prefetchers follow
+// badly: a 2-core AMD EPYC streamed SmolLM2's head at 10 GB/s that way, 14.7 walking one row
+// at a time, a plain streaming sum 16.4; in a C++ harness, one thread) and pad x to four rows.
+// Here each weight row is read start to end (the rows follow each other in w [O, I], so a
+// tile reads one contiguous span), its dots with MR rows of x summed in 16 accumulators per
+// tile of 16 / MR weight rows (one SumEach). MR = 1 and 2 keep two accumulators per row of x,
+// so that the dependent dot chain is not the bound.
+constexpr int64_t kGemvRows = 8;  // x rows up to which MatmulBF16 takes the GEMV tiles
+
+// y[0 .. MR, o0 .. o0 + 16 / MR) from the bf16 rows xb [MR, I] and the weight rows from wr.
+template <int MR>
+inline void GemvTile(const uint16_t* xb, const uint16_t* wr, int64_t in, int64_t o0, int64_t m, int64_t out,
+                     float* y) {
+  constexpr int kO = 16 / MR, kSplit = MR <= 2 ? 2 : 1;  // accumulators per x row
+  __m512 acc[16];
+  for (int j = 0; j < kO; ++j) {
+    const uint16_t* w = wr + j * in;
+    __m512 a[MR][kSplit];
+    for (auto& row : a)
+      for (auto& v : row) v = _mm512_setzero_ps();
+    for (int64_t c = 0; c < in; c += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + c);
+      const int h = kSplit == 2 ? (c / 32) & 1 : 0;
+      for (int r = 0; r < MR; ++r) a[r][h] = _mm512_dpbf16_ps(a[r][h], (__m512bh)_mm512_loadu_si512(xb + r * in + c), wv);
+    }
+    for (int r = 0; r < MR; ++r) acc[r * kO + j] = kSplit == 2 ? _mm512_add_ps(a[r][0], a[r][kSplit - 1]) : a[r][0];
+  }
+  __m512 grid[kRows][kOuts];  // accumulator k at [k / 4][k % 4]: SumEach puts its sum in lane k
+  for (int k = 0; k < 16; ++k) grid[k / kOuts][k % kOuts] = acc[k];
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, SumEach(grid));
+  for (int r = 0; r < MR && r < m; ++r) std::memcpy(y + r * out + o0, lanes + r * kO, kO * sizeof(float));
+}
+
+// The weight rows [o_begin, o_end) against the rows of xb (MR of them, zeros past m): GEMV
+// tiles, then 4 x 4 tiles for a remainder (O is a multiple of 4).
+template <int MR>
+void GemvBlock(const uint16_t* xb, const uint16_t* w, int64_t in, int64_t m, int64_t o_begin, int64_t o_end,
+               int64_t out, float* y) {
+  constexpr int kO = 16 / MR;
+  int64_t o0 = o_begin;
+  for (; o0 + kO <= o_end; o0 += kO) GemvTile<MR>(xb, w + o0 * in, in, o0, m, out, y);
+  for (; o0 < o_end; o0 += kOuts)
+    for (int64_t m0 = 0; m0 < m; m0 += kRows) Tile(xb, w, in, m0, o0, m, out, y);
+}
+
 // ---- AMX ------------------------------------------------------------------------------
 
 constexpr int64_t kTile = 16;  // AMX tile: 16 rows; 32 bf16 (64 bytes) a row
@@ -222,7 +271,8 @@ ffi::Error MatmulBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (amx)
     return MatmulAmx(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.typed_data()), m, in, out,
                      y->typed_data());
-  const int64_t m_pad = (m + kRows - 1) / kRows * kRows;
+  const int64_t mr = m <= 2 ? m : m <= 4 ? 4 : 8;  // the GEMV tiles' rows, where m <= kGemvRows
+  const int64_t m_pad = std::max((m + kRows - 1) / kRows * kRows, m <= kGemvRows ? mr : 0);
   // x rounded to bf16 (round to nearest even), zero rows up to a multiple of kRows
   std::vector<uint16_t> xb(m_pad * in, 0);
   const float* xp = x.typed_data();
@@ -233,6 +283,16 @@ ffi::Error MatmulBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* yp = y->typed_data();
   const int64_t tasks = (out + kBlock - 1) / kBlock;
+  if (m <= kGemvRows) {
+    pagedjax::ParallelFor(pool, tasks, [&](int64_t t) {
+      const int64_t begin = t * kBlock, end = std::min(out, begin + kBlock);
+      if (mr == 1) GemvBlock<1>(xb.data(), wp, in, m, begin, end, out, yp);
+      else if (mr == 2) GemvBlock<2>(xb.data(), wp, in, m, begin, end, out, yp);
+      else if (mr == 4) GemvBlock<4>(xb.data(), wp, in, m, begin, end, out, yp);
+      else GemvBlock<8>(xb.data(), wp, in, m, begin, end, out, yp);
+    });
+    return ffi::Error::Success();
+  }
   pagedjax::ParallelFor(pool, tasks, [&](int64_t t) {
     const int64_t o_end = std::min(out, (t + 1) * kBlock);
     for (int64_t o0 = t * kBlock; o0 < o_end; o0 += kOuts)

@@ -21,9 +21,9 @@ PATHS = [pytest.param(False, id="avx512", marks=needs_avx512), pytest.param(True
 
 
 @pytest.mark.parametrize("amx", PATHS)
-@pytest.mark.parametrize("m", [1, 3, 16, 29, 32])
-@pytest.mark.parametrize("o,i", [(16, 32), (112, 64), (960, 576), (576, 1536)])
-def test_matches_the_reference(m, o, i, amx):
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16, 29, 32])  # up to 8: the GEMV tiles (16 / MR weight rows a tile)
+@pytest.mark.parametrize("o,i", [(16, 32), (20, 64), (44, 96), (112, 64), (960, 576), (576, 1536)])
+def test_matches_the_reference(m, o, i, amx):  # 20, 44: weight rows past the last GEMV tile
     rng = np.random.default_rng(m * 7 + o)
     x = jnp.asarray(rng.standard_normal((m, i)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((o, i)) * 0.1, jnp.bfloat16)
