@@ -20,6 +20,7 @@ from pagedjax.pallas_kernels.dense_attention import DEFAULT_CHUNK_TOKENS, dense_
 from pagedjax.pallas_kernels.paged_attention import cpu_native, kv_quant
 from pagedjax.pallas_kernels.paged_attention.kv_quant import QuantizedPages
 from pagedjax.pallas_kernels.paged_attention.ops import packed_paged_attention, write_kv
+from pagedjax.platforms import current_platform
 
 
 @jax.tree_util.register_dataclass
@@ -65,7 +66,7 @@ class PagedKVCache:
         self.mesh = mesh  # KV heads split over its "model" axis; None: one device
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.attention_impl = attention_impl
+        self.attention_impl = attention_impl  # "auto": the platform's choice for the pages (at trace time)
 
     def shape(self, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_layers * self.num_blocks, self.block_size, head_dim)
@@ -78,8 +79,11 @@ class PagedKVCache:
 
         def attend(kv, layer, q, k, v, md):
             k_all, v_all, tables = _write(kv, layer, self.num_blocks, self.block_size, k, v, md)
+            impl = self.attention_impl
+            if impl == "auto":
+                impl = current_platform().attention_impl(q.dtype, self.block_size, k_all.dtype)
             out = packed_paged_attention(q, k_all, v_all, tables, md.kv_lens, md.cu_q_lens, scale=scale,
-                                         impl=self.attention_impl, **opts)
+                                         impl=impl, **opts)
             return (k_all, v_all), out
 
         return per_device(rotated(attend, kv), self.mesh)(kv, layer, q, k, v, md)
@@ -193,7 +197,7 @@ def copy_blocks(kv: KVCache, num_layers: int, src: jax.Array, dst: jax.Array) ->
     """
     if cpu_native.native_write_supported(kv[0].dtype):  # bf16 on CPU: XLA would widen the pool to f32
         return cpu_native.copy_blocks_native(tuple(kv), num_layers, src, dst)
-    if jax.default_backend() != "cpu":
+    if not current_platform().skip_by_conditional:
         return copy_blocks_at_once(kv, num_layers, src, dst)
     num_blocks = kv[0].shape[1] // num_layers
     layer_base = jnp.arange(num_layers, dtype=jnp.int32) * num_blocks  # [L]

@@ -23,7 +23,6 @@ from flax import nnx
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pagedjax.models import dtypes
 from pagedjax.models.config import ModelConfig
 from pagedjax.models.kv_cache import AttentionMetadata, KVCache
 from pagedjax.models.lora import LoRABatch
@@ -31,6 +30,7 @@ from pagedjax.models.moe import MoE
 from pagedjax.models.quantization import QUANTIZED, quantize_weight
 from pagedjax.models.sharding import TPLayout, param_spec, regroup_layer, tp_layout
 from pagedjax.pallas_kernels import cpu_matmul
+from pagedjax.platforms import current_platform, get_platform
 
 
 def rms_norm(x, weight, eps):
@@ -48,7 +48,7 @@ WIDEN_BF16_MIN_ROWS = 256
 
 
 def _cpu_lacks_bf16() -> bool:
-    return not dtypes.has_fast_bf16("cpu")  # read once: dtypes.cpu_flags is cached
+    return not get_platform("cpu").fast_bf16  # read once: the CPU flags are cached
 
 
 def linear(x, w, native: bool = False, scale=None, compute_dtype=jnp.bfloat16):
@@ -88,7 +88,7 @@ def _f32_precision(dtype):
     """float32 weights on a GPU/TPU: full float32 passes (their default precision rounds f32
     matmul inputs to TF32 / bf16, which float32 users, and parity with transformers, do not
     expect). XLA:CPU always computes f32 dots in f32; its programs stay as they were."""
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and current_platform().precise_f32_dots else None
 
 
 def rope_cos_sin(positions, inv_freq):
@@ -106,7 +106,7 @@ def rope_table_once(positions, inv_freq):
     fuses, so there the table comes out of a conditional (whose results are buffers) with
     the same computation in both branches: the predicate, on a parameter XLA cannot fold,
     does not matter. Elsewhere an optimization barrier does it (a conditional would sync a GPU)."""
-    if jax.default_backend() != "cpu":
+    if current_platform().fusion_barrier != "conditional":
         return jax.lax.optimization_barrier(rope_cos_sin(positions, inv_freq))
     table = lambda: rope_cos_sin(positions, inv_freq)
     return jax.lax.cond(inv_freq[0] >= 0, table, table)  # inv_freq: replicated wherever positions are sharded
@@ -145,15 +145,11 @@ class Placement:
                  quantization: str | None = None):
         self.dtype, self.mesh, self.layout, self.stacked = dtype, mesh, layout, stacked
         self.quantization = quantization
-        # one CPU device: decode-sized matmuls may take a native kernel (bf16: AMX, AVX512-BF16 or
-        # AVX2; float32: AVX2), wherever one serves the shape (cpu_matmul.supported)
-        self.native_matmul = ((mesh is None or mesh.devices.size == 1) and jax.default_backend() == "cpu"
-                              and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32))
-        # the vocab head too (decode-sized rows, cpu_matmul.head_max_rows): XLA:CPU's dot widens a
-        # bf16 head to float32 on every call (SmolLM2's [49152, 576]: 170 MB written and read
-        # again per step), while the kernels stream it once (AMX, the AVX512-BF16 GEMV tiles,
-        # AVX2; scripts/bench_matmul.py)
-        self.native_head = self.native_matmul
+        # one CPU device: decode-sized matmuls may take a native kernel wherever one serves the
+        # shape (cpu_matmul.supported), the vocab head too (platforms/cpu.py)
+        platform = current_platform()
+        self.native_matmul = (mesh is None or mesh.devices.size == 1) and platform.native_matmul(dtype)
+        self.native_head = self.native_matmul and platform.native_head(dtype)
 
     def __call__(self, arrays: dict, name: str) -> nnx.Param:
         dtype = self.dtype if name in MATRICES else jnp.float32

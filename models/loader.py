@@ -135,10 +135,10 @@ def load_tokenizer(model_dir: str | Path):
 
 def default_scan_layers() -> bool:
     """Layers under scan (fast compiles) except on XLA:CPU, where the unrolled model steps
-    faster (see CausalLM)."""
-    import jax
+    faster (see CausalLM): the platform's answer."""
+    from pagedjax.platforms import current_platform
 
-    return jax.default_backend() != "cpu"
+    return current_platform().scan_layers
 
 
 LOAD_FORMATS = ("auto", "dummy")

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pagedjax.models.config import ModelConfig
+from pagedjax.platforms import current_platform
 from pagedjax.models.sharding import MODEL_AXIS, TPLayout
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -146,12 +147,14 @@ def _pattern_value(pattern: dict, module: str, default: float) -> float:
 
 # -- device stacks ---------------------------------------------------------------------
 def stack_shape(max_loras: int, max_rank: int) -> tuple[int, int]:
-    """(slots, rank) of the stacks: on a CPU the smallest slots >= max_loras and rank >=
-    max_rank whose product is a multiple of 32 (the native kernels' bf16 contraction width;
-    what is added stays zero), elsewhere (max_loras, max_rank)."""
-    if jax.default_backend() != "cpu":
+    """(slots, rank) of the stacks: the smallest slots >= max_loras and rank >= max_rank whose
+    product is a multiple of the platform's lora_width (on a CPU 32, the native kernels' bf16
+    contraction width; what is added stays zero), elsewhere (max_loras, max_rank)."""
+    width = current_platform().lora_width
+    if width == 1:
         return max_loras, max_rank
-    shapes = [(s, r) for s in range(max_loras, max_loras + 32) for r in range(max_rank, max_rank + 32) if s * r % 32 == 0]
+    shapes = [(s, r) for s in range(max_loras, max_loras + width) for r in range(max_rank, max_rank + width)
+              if s * r % width == 0]
     return min(shapes, key=lambda sr: (sr[0] * sr[1], sr[0]))
 
 
@@ -281,7 +284,7 @@ class LoRABatch:
         """The adapters' term of projection `target` for input x [T, in] -> [T, out] float32
         (self: one layer's stacks; matmul: see lora_delta)."""
         a, b = self.stacks[target]
-        if jax.default_backend() != "cpu":  # a conditional would sync a GPU with its host
+        if not current_platform().skip_by_conditional:  # a conditional would sync a GPU with its host
             return lora_delta(x, a, b, self.slots, matmul)
         # XLA:CPU: a step with no adapter skips the terms (SmolLM2 decode at 16 rows, 16 slots
         # of rank 16: 33 ms a step against 45 computing zeros, and 28 without LoRA)

@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pagedjax.models.sharding import DATA_AXIS, MODEL_AXIS
+from pagedjax.platforms import current_platform
 
 IMPLS = ("auto", "sorted", "ragged", "dense")
 
@@ -37,7 +38,7 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown MoE impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        return "sorted" if jax.default_backend() == "cpu" else "ragged"
+        return current_platform().moe_impl  # "sorted" on XLA:CPU, "ragged" elsewhere
     return impl
 
 

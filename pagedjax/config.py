@@ -11,8 +11,6 @@ from pagedjax.models.quantization import QUANTIZATIONS, check_quantization
 from pagedjax.spec_decode.config import SpeculativeConfig
 
 KV_CACHE_KINDS = ("paged", "dense")
-CPU_KV_BUDGET_BYTES = 2 << 30  # default KV memory on the CPU backend
-ACCELERATOR_KV_FRACTION = 0.8  # of the device memory left after weights
 
 
 def _json_object(text: str) -> dict:
@@ -60,6 +58,9 @@ class EngineConfig:
                                        "max_position_embeddings)", int)
     max_num_batched_tokens: int | None = option(None, "tokens per step, decode and prompt chunks together, padding "
                                                 "included (default: 2048)", int)
+    min_step_tokens: int | None = option(None, "the smallest compiled step, in tokens (a power of two; default: the "
+                                         "platform's: 1 on CPU, where a step's cost follows its padded rows, 8 on "
+                                         "GPU/TPU)", int)
     enable_prefix_caching: bool = option(True, "share identical prompt prefixes (blocks by reference count)", bool,
                                          negative="--no-prefix-caching")
     release_window_blocks: bool = option(True, "models whose every layer has a sliding window (Mistral, Mixtral): "
@@ -130,6 +131,10 @@ class EngineConfig:
             positive(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.min_step_tokens is not None and (not isinstance(self.min_step_tokens, int) or self.min_step_tokens < 1
+                                                 or self.min_step_tokens & (self.min_step_tokens - 1)
+                                                 or self.min_step_tokens > 16):
+            raise ValueError(f"min_step_tokens must be a power of two from 1 to 16, got {self.min_step_tokens!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens must be at least 16, got {self.max_num_batched_tokens}")
         if self.load_format not in ("auto", "dummy"):
@@ -188,17 +193,12 @@ class EngineConfig:
         what one device holds of the weights. reserved_bytes: taken from the budget first (a
         draft model's pool beyond its share per block).
         """
-        import jax
+        from pagedjax.platforms import current_platform
 
         if self.kv_cache_memory_gb is not None:
             budget = int(self.kv_cache_memory_gb * (1 << 30))
-        elif jax.default_backend() == "cpu":
-            budget = CPU_KV_BUDGET_BYTES
-        else:
-            # per device (weight_bytes: one device's share); the pool is split over tp devices
-            stats = jax.devices()[0].memory_stats() or {}
-            free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0) - weight_bytes
-            budget = int(max(free, 0) * ACCELERATOR_KV_FRACTION) * self.tensor_parallel_size
+        else:  # weight_bytes: one device's share; the pool is split over tp devices
+            budget = current_platform().kv_budget_bytes(weight_bytes, self.tensor_parallel_size)
         if reserved_bytes >= budget:
             raise ValueError(f"the KV budget ({budget} bytes) does not hold the draft model's fixed share "
                              f"({reserved_bytes} bytes: k + 1 tokens and a block per sequence); raise "

@@ -10,12 +10,15 @@ that the batch stays full) and prints:
   bytes floor  the bytes a decode step must read (every weight once, the KV of B contexts)
                divided by the bandwidth a streaming-read probe measures in the same run
   mm floor     the step's matmuls alone, the engine's own kernels and weights (step_floor.py)
-  x floor      step ms / max(bytes floor, mm floor)
+  x floor      step ms / bytes floor (the target: 1.3 at batch 1, bf16, on the CPU)
 
-    python scripts/decode_floor.py [--model DIR] [--dtype bfloat16] [--batches 1,2,4,8] [--repeats 3]
+    python scripts/decode_floor.py [--model DIR|random-1b] [--dtype bfloat16] [--batches 1,2,4,8] [--repeats 3]
 
 Default model: the cached default checkpoint (SmolLM2-135M-Instruct) when present, else a random
-SmolLM2-135M-shaped Llama (bench_throughput.py).
+SmolLM2-135M-shaped Llama (bench_throughput.py). `--model random-1b`: random weights in a
+Llama-3.2-1B shape (load_format="dummy": no checkpoint is written). On a GPU or TPU the
+bandwidth probe reads a 1 GiB array on the device (the HBM floor) and the matmul floor is
+XLA's dots (scripts/gpu_session.sh runs `--batches 1,16,64,256` for both models).
 """
 from __future__ import annotations
 
@@ -31,10 +34,31 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True,
+                rms_norm_eps=1e-5, rope_theta=500000.0)
+
+
 def stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read over `gib` GiB, both cores summing their half (numpy releases
-    the GIL); the best of `repeats` (what the memory system can give a step)."""
+    """Bytes/s of a streaming read over `gib` GiB, the best of `repeats` (what the memory system
+    can give a step): on the CPU both cores sum their half (numpy releases the GIL); on an
+    accelerator a jitted sum of a bfloat16 array in its memory."""
     import os
+
+    import jax
+
+    if jax.default_backend() != "cpu":
+        import jax.numpy as jnp
+
+        x = jnp.ones(int(gib * 2**30) // 2, jnp.bfloat16)
+        total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+        total(x).block_until_ready()
+        best = 0.0
+        for _ in range(repeats):
+            t = time.perf_counter()
+            total(x).block_until_ready()
+            best = max(best, x.nbytes / (time.perf_counter() - t))
+        return best
 
     parts = [np.ones(int(gib * 2**30) // 4 // 2, np.float32) for _ in range(max(1, min(2, os.cpu_count() or 1)))]
     best = 0.0
@@ -119,6 +143,17 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng) -> dict:
             "host": med(np.array(walls) - np.array(disp) - np.array(waits))}
 
 
+def prompt_ms(engine, length: int, rng) -> float:
+    """ms from adding one prompt of `length` tokens (max_tokens=1) to its end: prompt processing."""
+    from pagedjax import SamplingParams
+
+    engine.add_request(f"p-{rng.integers(1 << 40)}", rng.integers(3, 1000, length).tolist(), SamplingParams(max_tokens=1))
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1e3 * (time.perf_counter() - t)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -127,6 +162,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-bench", type=int, default=512, help="also time one prompt of this many tokens (0: no)")
     args = p.parse_args()
     from bench_throughput import make_random_checkpoint
     from step_floor import matmul_floor_ms
@@ -137,15 +173,20 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
+        model, load_format = args.model, "auto"
+        if model == "random-1b":
+            from transformers import LlamaConfig
+
+            LlamaConfig(**LLAMA_1B).save_pretrained(tmp)
+            model, load_format = tmp, "dummy"
+        elif model is None:
             try:  # the cached default checkpoint (no download here)
                 model = str(default_model_dir(progress=False))
             except RuntimeError:
                 make_random_checkpoint(Path(tmp))
                 model = tmp
-        engine = LLMEngine(model, stream_text=False, max_num_seqs=max(batches), max_model_len=1024,
-                           enable_prefix_caching=False, dtype=args.dtype)
+        engine = LLMEngine(model, stream_text=False, max_num_seqs=max(batches), max_model_len=max(1024, 2 * args.prompt_bench),
+                           enable_prefix_caching=False, dtype=args.dtype, load_format=load_format)
         engine.warmup(progress=False)
         bw = stream_bandwidth()
         wbytes = weight_bytes(engine)
@@ -163,7 +204,12 @@ def main() -> None:
             med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
             print(f"{b:>5} {med['step']:6.2f} [{min(step):.1f}-{max(step):.1f}] {1e3 * b / med['step']:7.1f} "
                   f"{med['sync']:7.2f} {med['host']:6.2f} {med['dispatch']:8.2f} {med['wait']:6.2f} "
-                  f"{floor_bytes:11.2f} {mm:8.2f} {med['step'] / max(floor_bytes, mm):7.2f}", flush=True)
+                  f"{floor_bytes:11.2f} {mm:8.2f} {med['step'] / floor_bytes:7.2f}", flush=True)
+        if args.prompt_bench:
+            prompt_ms(engine, args.prompt_bench, rng)  # its shapes' first run
+            times = [prompt_ms(engine, args.prompt_bench, rng) for _ in range(args.repeats)]
+            print(f"prompt of {args.prompt_bench} tokens: {np.median(times):.1f} ms [{min(times):.1f}-{max(times):.1f}], "
+                  f"{1e3 * args.prompt_bench / np.median(times):.0f} tok/s")
 
 
 if __name__ == "__main__":

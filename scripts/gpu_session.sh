@@ -20,6 +20,8 @@
 #                  into an ignored folder, carry it, and run the script with PYTHONPATH=<folder>
 #      step_times  a step's host work against its wait for the device, async scheduling off and on
 #                  (step_times.py; float32, four engines warmed up: slow)
+#      decode_floor decode step ms at batch 1, 16, 64, 256 against the HBM floor, the default
+#                  model (or its random SmolLM2 shape) and a random 1B Llama (decode_floor.py)
 #   6. default model, when its GGUF is cached (models/default_model.py; no network is needed):
 #      spec_bf16        scripts/bench_speculative.py in bf16 on the real checkpoint
 #      default_parity   greedy tokens against transformers on the real checkpoint (float32)
@@ -57,6 +59,9 @@ stage e2e_bf16 200 "$PY" scripts/gpu_e2e_bf16.py --hf
 stage e2e_unrolled 200 "$PY" scripts/gpu_e2e_bf16.py --scan-layers off --repeats 2
 stage decode_steps 200 bash -c "for a in '--scan-layers on' '--scan-layers off' '--scan-layers on --speculate 4'; do $PY scripts/gpu_decode_steps.py \$a || exit; done"
 stage step_times 240 "$PY" scripts/step_times.py --repeats 2 --pool-sizes 256
+# issue 49: decode steps at batch 1-256 against the HBM floor (a 1 GiB read on the device), the
+# SmolLM2-shaped model and a random Llama-3.2-1B-shaped one (weights made on the device, no checkpoint)
+stage decode_floor 300 bash -c "$PY scripts/decode_floor.py --batches 1,16,64,256 --repeats 2 && $PY scripts/decode_floor.py --model random-1b --batches 1,16,64,256 --repeats 2"
 if "$PY" -c "import sys; from models.default_model import cache_root, GGUF_NAME; sys.exit(not (cache_root() / 'gguf' / GGUF_NAME).is_file())"; then
     stage spec_bf16 260 "$PY" scripts/bench_speculative.py --dtype bfloat16 --repeats 2 --batch-1-prompts 2 \
         --output "$LOG/bench_speculative.json"

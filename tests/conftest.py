@@ -22,6 +22,10 @@ else:
 # float32 transformers token for token, so "auto" means float32 here (subprocesses inherit it); the
 # bf16 paths are tested with dtype="bfloat16" explicitly. PAGEDJAX_AUTO_DTYPE=bfloat16 runs all in bf16.
 os.environ.setdefault("PAGEDJAX_AUTO_DTYPE", "float32")
+# The CPU's small step rungs (1, 2, 4 tokens, platforms/cpu.py) would triple the compiles of the
+# suite's many short-lived engines; the suite steps from 8 tokens as on an accelerator, and
+# tests/engine/test_small_rungs.py runs the small rungs (min_step_tokens=1) against transformers.
+os.environ.setdefault("PAGEDJAX_MIN_STEP_TOKENS", "8")
 
 from tiny_models import make_checkpoint  # noqa: E402
 

@@ -11,11 +11,12 @@ INSTALLED_AS = {"models": "pagedjax.models", "pallas_kernels": "pagedjax.pallas_
 # those may (transitively)
 MAY_IMPORT = {
     "pallas_kernels": [],
-    "models": ["pallas_kernels"],
+    "pagedjax.platforms": ["pallas_kernels"],  # one object per backend: every "which backend" answer
+    "models": ["pallas_kernels", "pagedjax.platforms"],
     "pagedjax.sampling_params": [],
     "pagedjax.outputs": [],
     "pagedjax.core": ["pagedjax.sampling_params", "pagedjax.outputs"],
-    "pagedjax.sample": ["pagedjax.sampling_params", "pallas_kernels"],
+    "pagedjax.sample": ["pagedjax.sampling_params", "pallas_kernels", "pagedjax.platforms"],
     "pagedjax.structured_output": ["pagedjax.core", "pagedjax.sample"],
     "pagedjax.parallel": ["pagedjax.core", "models"],
     "pagedjax.spec_decode": ["pagedjax.core", "pagedjax.sample", "models"],

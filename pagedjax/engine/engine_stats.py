@@ -8,6 +8,7 @@ from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.kv_memory import KVMemory, kv_memory as rank_kv_memory
 from pagedjax.core.sched.scheduler import Scheduler
 from pagedjax.models.hub import is_repo_id
+from pagedjax.platforms import current_platform
 from pagedjax.spec_decode.manager import spec_stats
 from pagedjax.worker import compile_counter
 
@@ -35,6 +36,7 @@ def stats(engine) -> dict:
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "data_parallel_size": cfg.data_parallel_size,
         "weight_bytes_per_device": engine.weight_bytes_per_device,
+        "platform": current_platform().describe(),  # one line: the backend, its hardware, its choices
         "kv_pool_bytes_per_device": engine.kv_pool_bytes_per_device,
         **(engine.lora.stats() if engine.lora is not None else {}),
         "data_parallel_ranks": ranks,

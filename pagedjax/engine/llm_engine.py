@@ -44,6 +44,7 @@ from pagedjax.structured_output.manager import StructuredOutputManager
 from pagedjax.worker import compile_counter
 from pagedjax.worker.compile_ahead import CompileAhead
 from pagedjax.worker.model_runner import ModelRunner
+from pagedjax.platforms import current_platform
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class LLMEngine(WeightControl, EngineInfo):
         spec = cfg.speculative_config
         # a step verifies at most k drafts for each of up to 16 requests (sampled rows beyond one per sequence)
         max_drafts = spec.num_speculative_tokens * min(plan.max_num_seqs, 16) if spec else 0
-        self.buckets = Buckets(plan.max_num_seqs, cfg.max_num_batched_tokens, max_drafts)
+        self.buckets = Buckets(plan.max_num_seqs, cfg.max_num_batched_tokens, max_drafts,
+                               min_tokens=cfg.min_step_tokens or current_platform().smallest_step())
         # one block pool and scheduler per data-parallel rank; num_blocks and max_num_seqs are per rank
         dense = cfg.kv_cache == "dense"
         self.pools = [BlockPool(cfg.num_blocks, plan.block_size, cfg.enable_prefix_caching and not dense)

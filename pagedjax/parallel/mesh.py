@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pagedjax.models.sharding import DATA_AXIS, MODEL_AXIS, check_tp
+from pagedjax.platforms import current_platform
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, model_cfg=None) -> Mesh:
@@ -22,7 +23,7 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, model_
     devices = jax.devices()
     if tp * dp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, but "
-                         f"{len(devices)} {jax.default_backend()} device(s) are visible (on CPU, set "
+                         f"{len(devices)} {current_platform().backend} device(s) are visible (on CPU, set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported)")
     if jax.process_count() > 1 and tp * dp != len(devices):
         raise ValueError(f"with {jax.process_count()} processes the mesh must span all {len(devices)} devices: "

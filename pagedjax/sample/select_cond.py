@@ -15,14 +15,14 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from pagedjax.pallas_kernels.paged_attention.ops import GPU_BACKENDS  # where a conditional makes the host wait
+from pagedjax.platforms import current_platform
 
 _forced: bool | None = None  # tests: select (True) or branch (False) whatever the backend
 
 
 def selects() -> bool:
     """Whether `cond` traced now computes both branches (read at trace time)."""
-    return _forced if _forced is not None else jax.default_backend() in GPU_BACKENDS
+    return _forced if _forced is not None else current_platform().select_conditionals  # GPUs
 
 
 def cond(pred, true_fn, false_fn):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.core.buckets import MIN_TOKENS
 from pagedjax.sample import penalties
 from pagedjax.worker import host_buffer
 
@@ -131,11 +132,15 @@ class CompiledSteps:
     def _warmup_jobs(self) -> list[tuple]:
         """Every compile of a warm-up, in order, after the fixed-shape helpers (compiled here):
         (prime_bucket, T) for each step shape smallest first, then (prompt_executable, T) for
-        each (last: every step shape is ready first; few requests ask for prompt logprobs)."""
+        each (last: every step shape is ready first; few requests ask for prompt logprobs).
+        Rungs below MIN_TOKENS (a CPU's 1, 2, 4: small decode batches) come after the others:
+        until they are compiled such a step runs in the 8-token rung, while a prompt chunk
+        waiting for a larger rung would be cut to the largest compiled one."""
         self._compile_load_slot()
         self._compile_copy_blocks()
         self._compile_lora_write()
         ladder = self.buckets.token_buckets()
+        ladder = [t for t in ladder if t >= MIN_TOKENS] + [t for t in ladder if t < MIN_TOKENS]
         return [(self.prime_bucket, t) for t in ladder] + [(self.prompt_executable, t) for t in ladder]
 
     def warmup(self, progress: bool = True) -> None:

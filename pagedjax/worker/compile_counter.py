@@ -32,7 +32,8 @@ def num_compilations() -> int:
 
 
 def enable_persistent_cache() -> None:
-    """Keeps compiled steps on disk so a restart does not compile again.
+    """Keeps compiled steps on disk so a restart does not compile again, as the platform's
+    policy says (pagedjax.platforms: Platform.compile_cache_dir, compile_cache_min_secs).
 
     Uses `$PAGEDJAX_CACHE/jax_compilation_cache` (default ~/.cache/pagedjax) unless the user
     configured a cache dir (JAX_COMPILATION_CACHE_DIR); `PAGEDJAX_COMPILE_CACHE=0` turns it off.
@@ -41,12 +42,14 @@ def enable_persistent_cache() -> None:
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise.
     """
     import os
-    from pathlib import Path
 
-    if os.environ.get("PAGEDJAX_COMPILE_CACHE", "1") == "0":
+    from pagedjax.platforms import current_platform
+
+    platform = current_platform()
+    cache_dir = platform.compile_cache_dir()
+    if cache_dir is None:
         return
     if not jax.config.jax_compilation_cache_dir:
-        root = Path(os.environ.get("PAGEDJAX_CACHE") or Path.home() / ".cache" / "pagedjax")
-        jax.config.update("jax_compilation_cache_dir", str(root / "jax_compilation_cache"))
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", platform.compile_cache_min_secs)

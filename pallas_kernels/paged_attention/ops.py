@@ -114,15 +114,22 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl):
             raise ValueError(f"sequence counts differ: q has {s}, q_lens {q_lens.shape[0]}")
 
 
+def auto_impl(backend: str, q_dtype, page_size: int, page_dtype) -> str:
+    """What impl="auto" runs on `backend` (jax.default_backend()'s name for it) for q and
+    pages of these dtypes and this page size (the engine asks through pagedjax.platforms)."""
+    if backend == "tpu":
+        return "pallas_tpu" if tpu_supported(page_size, page_dtype) else "chunked"
+    if backend in GPU_BACKENDS:
+        return "pallas_gpu" if gpu_supported(page_size) else "chunked"
+    return "native" if native_supported(q_dtype, page_dtype) else "ragged"
+
+
 def _resolve(impl, q_dtype, page_size, page_dtype):
-    """Concrete implementation name for this call (backend read at trace time)."""
+    """Concrete implementation name for this call (backend read at trace time: the kernels'
+    own lowering choice, for callers that pass "auto")."""
     backend = jax.default_backend()
     if impl == "auto":
-        if backend == "tpu":
-            return "pallas_tpu" if tpu_supported(page_size, page_dtype) else "chunked"
-        if backend in GPU_BACKENDS:
-            return "pallas_gpu" if gpu_supported(page_size) else "chunked"
-        return "native" if native_supported(q_dtype, page_dtype) else "ragged"
+        return auto_impl(backend, q_dtype, page_size, page_dtype)
     if impl == "native" and not native_supported(q_dtype, page_dtype):
         raise ValueError("impl='native' needs the CPU backend, float32/bfloat16 q and pages, and a built kernel "
                          f"(backend {backend!r}, q {q_dtype}, pages {page_dtype}; see cpu_native.py)")

@@ -2,6 +2,7 @@
 import jax.numpy as jnp
 import pytest
 
+from pagedjax import platforms
 from pagedjax.models import dtypes
 from pagedjax.models.dtypes import AUTO_DTYPE_ENV, auto_dtype, has_fast_bf16, resolve_dtype, resolve_kv_cache_dtype
 
@@ -14,7 +15,7 @@ def unpinned(monkeypatch):
 @pytest.mark.parametrize("flags,want", [({"avx512f", "avx512_bf16"}, "bfloat16"), ({"amx_bf16", "amx_tile"}, "bfloat16"),
                                         ({"avx512f", "avx2"}, "float32"), (set(), "float32")])
 def test_auto_follows_the_cpu_flags(unpinned, monkeypatch, flags, want):
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(platforms.cpu, "cpu_flags", lambda: frozenset(flags))
     assert auto_dtype() == want
     assert resolve_dtype("auto") == jnp.dtype(want)
 
@@ -24,7 +25,7 @@ def test_accelerators_have_fast_bf16():
 
 
 def test_the_environment_pins_auto(unpinned, monkeypatch):
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(platforms.cpu, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     monkeypatch.setenv(AUTO_DTYPE_ENV, "float32")
     assert resolve_dtype("auto") == jnp.float32
     assert resolve_dtype("bfloat16") == jnp.bfloat16  # an explicit dtype is never overridden

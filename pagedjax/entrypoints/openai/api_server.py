@@ -218,6 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedjax.entrypoints.cli_args import engine_flags, engine_kwargs, flag_names, init_processes
     from pagedjax.engine.llm_engine import LLMEngine  # lazy: importing JAX and loading weights is slow
     from pagedjax.engine.async_engine import AsyncEngine
+    from pagedjax.platforms import current_platform
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedjax").setLevel(args.log_level.upper())
@@ -231,6 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("cannot start the engine: %s", flag_names(str(exc), engine_flags()))
         return 2
+    logger.info("platform %s", current_platform().describe())
     if not load_lora_modules(engine, args.lora_modules or []):
         return 2
     if not args.no_warmup and hasattr(engine, "warmup"):
