@@ -186,6 +186,7 @@ def main() -> None:
                 make_random_checkpoint(Path(tmp))
                 model = tmp
         engine = LLMEngine(model, stream_text=False, max_num_seqs=max(batches), max_model_len=max(1024, 2 * args.prompt_bench),
+                           max_num_batched_tokens=max(512, args.prompt_bench, max(batches)),
                            enable_prefix_caching=False, dtype=args.dtype, load_format=load_format)
         engine.warmup(progress=False)
         bw = stream_bandwidth()

@@ -5,8 +5,12 @@ small and what grows with the batch is the host's: scheduling, batch preparation
 processing. For each batch size N the engine runs N requests (16-token prompts, long
 outputs, EOS ignored) with async scheduling off, so a step's wall time splits into the time
 the host waits for the device (`runner.last_wait_s`) and the rest, the host work. Prints per
-N: the median step, the host work in total and per request, the device wait; then a cProfile
-of the host side at the largest N (the functions with the most own time).
+N: the median step, the host work in total and per request, the device wait; and the host
+work split once more: `launch` is the time in `runner.dispatch` outside `runner.prepare` (the
+two buffers put on the device and the executables called: on CPU, XLA may run a small
+executable inside the call, so part of the device's work lands here), `python` the rest
+(scheduling, batch preparation, output processing). Then a cProfile of the host side at the
+largest N (the functions with the most own time).
 
     python scripts/host_work.py [--sizes 1,16,64,256,512] [--steps 40] [--profile-top 15]
 """
@@ -51,15 +55,33 @@ def running_engine(model: str, n: int, steps: int) -> LLMEngine:
     return engine
 
 
-def timed(engine: LLMEngine, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """(wall ms, device-wait ms) of `steps` decode steps."""
-    wall, wait = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        wall.append(time.perf_counter() - t)
-        wait.append(engine.runner.last_wait_s)
-    return 1e3 * np.array(wall), 1e3 * np.array(wait)
+def timed(engine: LLMEngine, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(wall ms, device-wait ms, launch ms) of `steps` decode steps; launch: the time in
+    runner.dispatch outside runner.prepare."""
+    runner, spent = engine.runner, {"dispatch": 0.0, "prepare": 0.0}
+
+    def clocked(name, fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return call
+
+    runner.dispatch, runner.prepare = clocked("dispatch", runner.dispatch), clocked("prepare", runner.prepare)
+    wall, wait, launch = [], [], []
+    try:
+        for _ in range(steps):
+            spent.update(dispatch=0.0, prepare=0.0)
+            t = time.perf_counter()
+            engine.step()
+            wall.append(time.perf_counter() - t)
+            wait.append(runner.last_wait_s)
+            launch.append(spent["dispatch"] - spent["prepare"])
+    finally:
+        del runner.dispatch, runner.prepare  # the class's methods again
+    return 1e3 * np.array(wall), 1e3 * np.array(wait), 1e3 * np.array(launch)
 
 
 def main() -> None:
@@ -71,14 +93,16 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_checkpoint(Path(tmp))
-        print(f"{'N':>5} {'step ms':>9} {'host ms':>9} {'host us/req':>12} {'device wait ms':>15}")
+        print(f"{'N':>5} {'step ms':>9} {'host ms':>9} {'host us/req':>12} {'device wait ms':>15} "
+              f"{'launch ms':>10} {'python ms':>10} {'python us/req':>14}")
         engine = None
         for n in sizes:
             engine = running_engine(tmp, n, args.steps)
-            wall, wait = timed(engine, args.steps)
-            host = wall - wait
+            wall, wait, launch = timed(engine, args.steps)
+            host, python = wall - wait, wall - wait - launch
             print(f"{n:5d} {np.median(wall):9.2f} {np.median(host):9.2f} {1e3 * np.median(host) / n:12.1f} "
-                  f"{np.median(wait):15.2f}", flush=True)
+                  f"{np.median(wait):15.2f} {np.median(launch):10.2f} {np.median(python):10.2f} "
+                  f"{1e3 * np.median(python) / n:14.1f}", flush=True)
         if args.profile_top and engine is not None:
             engine = running_engine(tmp, sizes[-1], args.steps)
             profile = cProfile.Profile()

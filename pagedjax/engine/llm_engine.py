@@ -359,13 +359,13 @@ class LLMEngine(WeightControl, EngineInfo):
             elif self.spec is not None:
                 emitted = [self.spec.emitted(result, out, i, row) for i, row in enumerate(first)]
             else:
-                emitted = [[int(result.tokens[row])] for row in first]
-            for req, i, tokens in sched.update(out, emitted):
+                emitted = [[token] for token in result.tokens[first].tolist()]
+            done = sched.update(out, emitted)
+            self.output.append_produced(done)
+            for req, i, tokens in (done if result is None else ()):  # async: each token's row on the device
                 if tokens is not None:
-                    self.output.append(req, tokens)
-                    if result is None:
-                        req.pending_row = rank * self.runner.max_rows + offsets[i]
-                produced.append((req, first[i], tokens))
+                    req.pending_row = rank * self.runner.max_rows + offsets[i]
+            produced += [(req, first[i], tokens) for req, i, tokens in done]
         return produced
 
     def _finishing(self, produced) -> frozenset:

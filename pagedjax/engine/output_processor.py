@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedjax.core.request import Request, append_logprobs
+from pagedjax.core.request import Request, RequestStatus, append_logprobs
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sample import prompt_logprobs
@@ -45,7 +45,10 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(s.req.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if s.req.status is not RequestStatus.FINISHED:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -102,6 +105,13 @@ class OutputProcessor:
         req.output_token_ids += tokens
 
     @staticmethod
+    def append_produced(produced) -> None:
+        """`append` of each (request, entry, tokens) Scheduler.update returned (None: nothing produced)."""
+        for req, _, tokens in produced:
+            if tokens is not None:
+                req.output_token_ids += tokens
+
+    @staticmethod
     def fill_placeholders(produced, result) -> None:
         """Puts the step's sampled tokens where placeholders were appended."""
         for req, row, tokens in produced:
@@ -128,17 +138,33 @@ class OutputProcessor:
         """Stop checks, logprobs, grammars and text for the tokens a step produced (beams
         aside: BeamSearchManager). Returns the outputs to report and the sequences of the
         requests that finished (no longer tracked)."""
-        touched: dict[str, _Group] = {}
+        touched: dict[int, _Group] = {}  # id -> group, in order of first appearance
         now = time.monotonic()
+        group_of, seq_of, finished_status = self._group_of, self._seq_of, RequestStatus.FINISHED
+        generated = 0  # tokens of the fast path below (the general one counts its own)
         for req, row, tokens in produced:
             if req.beam_group is not None or req.pooling is not None:  # beams, embeddings: their own managers
                 continue
-            touched[req.request_id] = self._group_of[req.request_id]
+            group = group_of[req.request_id]
+            touched[id(group)] = group
             if tokens is None:  # max_tokens=0: the prompt is scored, nothing generated
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            seq = self._seq_of[req.request_id]
+            seq = seq_of[req.request_id]
+            if len(tokens) == 1 and seq.detok is None and not seq.constrained and req.status is not finished_status:
+                # most tokens: one, no text to keep, no mask; check_stop only where one of its
+                # conditions can hold (EOS, a stop token, max_tokens, max_model_len: its tests, as a pre-check)
+                token, p = tokens[0], req.params
+                if p.logprobs is not None:
+                    append_logprobs(req, result, row, token)
+                n = len(req.output_token_ids)
+                sched = self.schedulers[req.dp_rank]
+                if (n >= p.max_tokens or len(req.prompt_token_ids) + n >= sched.max_model_len
+                        or token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)):
+                    sched.check_stop(req, token, n)
+                generated += 1
+                continue
             before = len(req.output_token_ids) - len(tokens)
             for j, token in enumerate(tokens):  # several with speculative decoding
                 if req.is_finished:  # ended by an earlier token of this step: the rest never happened
@@ -152,12 +178,13 @@ class OutputProcessor:
                     sched.finish(req, "stop")
                 if seq.detok is not None:
                     self._append_text(seq, token)
-        groups = {id(g): g for g in touched.values()}.values()
-        # offline (stream_text off) callers only read finished outputs: skip copying the rest
-        outputs = [self._output(g) for g in groups if self.stream_text or g.finished]
-        finished = []
-        for g in groups:
-            if g.finished and g.request_id in self.groups:
+        self.num_generated_tokens += generated
+        outputs, finished = [], []
+        for g in touched.values():
+            done = g.finished
+            if self.stream_text or done:  # offline (stream_text off) callers only read finished outputs
+                outputs.append(self._output(g))
+            if done and g.request_id in self.groups:
                 finished += self.pop(g.request_id)
         return outputs, finished
 

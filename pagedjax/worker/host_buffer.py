@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _DTYPES = ("int32", "float32", "uint32", "bool")
+_NAME_OF = {np.dtype(name): name for name in _DTYPES}  # dtype -> its name (dtype.name is slow to read)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def pack(tree, ranks: int = 1) -> tuple[np.ndarray, BufferLayout]:
         if x.ndim == 0 or x.shape[0] % ranks:
             raise ValueError(f"a leaf of shape {x.shape} does not split over {ranks} data ranks")
     buf = np.concatenate([_as_words(x).reshape(ranks, -1) for x in arrays], axis=1)
-    return buf, BufferLayout(treedef, tuple((x.shape, x.dtype.name) for x in arrays), ranks)
+    return buf, BufferLayout(treedef, tuple((x.shape, _NAME_OF[x.dtype]) for x in arrays), ranks)
 
 
 def unpack(buf: jax.Array, layout: BufferLayout):

@@ -14,6 +14,7 @@ from pagedjax.core.sched.output import SchedulerOutput
 from pagedjax.sample import prompt_logprobs
 from pagedjax.sample.sampler import SamplingInputs
 from pagedjax.sample.token_mask import mask_needed
+from pagedjax.worker.request_rows import RequestRows
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +46,9 @@ class InputBatch:
         self.penalty_slot = penalty_slot
         self.step_rung = step_rung or buckets.token_bucket
         self.lora = lora
+        # decode rows' block tables and sampling settings kept between steps (room for two steps' sequences)
+        self.request_rows = RequestRows(2 * buckets.max_num_seqs, max_blocks_per_seq)
+        self.vectorize_from = 8  # decode entries of a rank packed vectorized from this many on (fewer: one by one is faster)
 
     def step_shape(self, outs: list[SchedulerOutput | None]) -> tuple[int, int]:
         """(T, S) of the step running `outs` (one entry per data rank, None: idle): the rung
@@ -77,8 +81,15 @@ class InputBatch:
             if out is None:
                 continue
             t0, s0, c0 = rank * t, rank * s, rank * (s + 1)  # this rank's first token, row, offset
-            off, sample_row = 0, rank * r
-            for i, (req, start, ql) in enumerate(zip(out.requests, out.starts, out.q_lens)):
+            # its decode entries (one token each, no drafts) packed vectorized, the rest one by one
+            nd = 0 if out.drafts or out.num_decode < self.vectorize_from else out.num_decode
+            if nd:
+                self._pack_decode(out.requests[:nd], out.starts[:nd], rank, t0, s0, c0, rank * r, tokens, positions,
+                                  slots, tables, kv_lens, cu, logits_indices, prompt_next, prev_rows, lora_slots,
+                                  sampling)
+            off, sample_row = nd, rank * r + nd
+            for i in range(nd, len(out.requests)):
+                req, start, ql = out.requests[i], out.starts[i], out.q_lens[i]
                 blocks = req.block_ids
                 drafts = out.drafts[i] if out.drafts else ()
                 row = s0 + i
@@ -120,6 +131,38 @@ class InputBatch:
         md = AttentionMetadata(positions, slots, tables, kv_lens, cu)
         return t, StepInputs(tokens, md, logits_indices, prompt_next, prev_rows, lora_slots), sampling.inputs(), (src, dst)
 
+    def _pack_decode(self, reqs, starts, rank, t0, s0, c0, r0, tokens, positions, slots, tables, kv_lens, cu,
+                     logits_indices, prompt_next, prev_rows, lora_slots, sampling) -> None:
+        """prepare's loop for a rank's first n entries when each computes one token (decode, no
+        drafts), as whole-array writes: entry i is token t0 + i, sequence row s0 + i, sampled
+        row r0 + i. What does not change while a request runs (block table, sampling settings)
+        is gathered from `request_rows`; the rest is read in one pass over the requests."""
+        n, bs = len(reqs), self.block_size
+        rows = self.request_rows.rows(reqs)  # [n]
+        token, num_output, num_tokens, shared, block, pending = zip(*[
+            (q.token_at(i), len(q.output_token_ids), len(q.prompt_token_ids) + len(q.output_token_ids),
+             q.num_shared_kv_tokens, q.block_ids[i // bs], q.pending_row) for q, i in zip(reqs, starts)])
+        start, num_tokens = np.array(starts, np.int64), np.array(num_tokens, np.int64)
+        tokens[t0:t0 + n] = token
+        positions[t0:t0 + n] = start
+        # a fork's inherited KV is not written again
+        slots[t0:t0 + n] = np.where(start >= np.array(shared), np.array(block, np.int64) * bs + start % bs, -1)
+        tables[s0:s0 + n] = self.request_rows.table[rows]
+        # its last token is being sampled by the previous step: the device takes it from there
+        pending = np.array(pending, np.int32)
+        prev_rows[t0:t0 + n] = np.where((pending >= 0) & (start == num_tokens - 1), pending, -1)
+        if lora_slots is not None:
+            lora_slots[t0:t0 + n] = [q.lora_slot for q in reqs]
+        for i in np.flatnonzero(self.request_rows.scored[rows]):
+            q, p = reqs[i], starts[i]
+            if p < q.num_prompt_tokens:  # a fork re-running the prompt's end
+                prompt_next[t0 + i] = prompt_logprobs.next_tokens(q.prompt_token_ids, p, 1, q.prompt_logprobs_from)[0]
+        kv_lens[s0:s0 + n] = start + 1
+        cu[c0 + 1:c0 + n + 1] = np.arange(1, n + 1)
+        logits_indices[r0:r0 + n] = np.arange(n)
+        sampling.fill_rows(r0, self.request_rows, rows, np.array(num_output, np.int32), start + 1 >= num_tokens,
+                           lambda i: self.penalty_slot(rank, reqs[i]))
+
 
 class SamplingArrays:
     """Per-row sampling settings being filled on the host (idle rows: greedy)."""
@@ -146,6 +189,29 @@ class SamplingArrays:
             self.repetition[row], self.frequency[row], self.presence[row] = (p.repetition_penalty, p.frequency_penalty,
                                                                              p.presence_penalty)
         self.constrained[row] = produces and mask_needed(req)
+
+    def fill_rows(self, row: int, store, rows: np.ndarray, step: np.ndarray, produces: np.ndarray,
+                  penalty_slot) -> None:
+        """`fill` of rows row, row + 1, ... (one sampled row per request, offset 0, no draft) as
+        whole-array writes, the requests' settings gathered from their rows of `store` (a
+        RequestRows). step [n]: each one's output tokens; produces [n] bool; penalty_slot(i) ->
+        the slot of the i-th request, asked of those with penalties, in order."""
+        n = len(rows)
+        out = slice(row, row + n)
+        self.temperature[out], self.top_p[out] = store.temperature[rows], store.top_p[rows]
+        self.min_p[out], self.top_k[out] = store.min_p[rows], store.top_k[rows]
+        self.seed[out], self.step[out] = store.seed[rows], step
+        self.draft_next[out] = -1
+        self.want_logprobs[out] = store.want_logprobs[rows]
+        self.produces[out] = produces
+        for i in np.flatnonzero(store.penalized[rows]):
+            if (slot := penalty_slot(i)) >= 0:
+                r = rows[i]
+                self.penalty_slot[row + i] = slot
+                self.repetition[row + i], self.frequency[row + i] = store.repetition[r], store.frequency[r]
+                self.presence[row + i] = store.presence[r]
+        # mask_needed, row by row: a rule of the request, or min_tokens not yet out
+        self.constrained[out] = produces & (store.has_rule[rows] | (step < store.min_tokens[rows]))
 
     def inputs(self) -> SamplingInputs:
         return SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step,

@@ -26,6 +26,8 @@ class SchedulerOutput:
 
     def row_offsets(self) -> list[int]:
         """Each entry's first sampled row within its rank: one row per entry, plus one per draft."""
+        if not self.drafts:
+            return list(range(len(self.requests)))
         rows, r = [], 0
         for i in range(len(self.requests)):
             rows.append(r)

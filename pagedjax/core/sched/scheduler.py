@@ -111,9 +111,12 @@ class Scheduler:
             q_lens[-1] -= cut
             self._release_tail(reqs[-1], starts[-1] + q_lens[-1])
         drafts = self._schedule_drafts(decode, len(decode) + sum(q_lens), budget)
+        if not any(drafts):
+            return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
+                                   [1] * len(decode) + q_lens, len(decode), self._copies, [])
         return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
                                [1 + len(d) for d in drafts] + q_lens, len(decode), self._copies,
-                               drafts + [[]] * len(reqs) if any(drafts) else [])
+                               drafts + [[]] * len(reqs))
 
     def _release_tail(self, req: Request, end: int) -> None:
         """Returns req's blocks past token position `end` to the pool (allocated for tokens
@@ -139,7 +142,7 @@ class Scheduler:
         """Prompt chunks of partly prefilled, then waiting requests, in order, while the step
         has tokens left in `budget`."""
         reqs, starts, q_lens = [], [], []
-        partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        partial = [r for r in self.running if len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens > 1]
         for req in partial:
             q = min(req.num_tokens - req.num_computed_tokens, budget)
             if q <= 0 or not self._grow(req, req.num_computed_tokens, q):
@@ -207,11 +210,17 @@ class Scheduler:
         """Running requests with exactly one token to go, their next slot ready (at most
         `budget` of them), except those in `hold`."""
         decode, i = [], 0
+        bs, ref_counts = self.block_size, self.pool.ref_counts
         while i < len(self.running) and len(decode) < budget:
             req = self.running[i]
-            if req.num_tokens - req.num_computed_tokens != 1 or req in hold:
+            start = req.num_computed_tokens
+            if len(req.prompt_token_ids) + len(req.output_token_ids) - start != 1 or (hold and req in hold):
                 i += 1
-            elif self._grow(req, req.num_computed_tokens, 1):
+            elif (start // bs < len(req.block_ids) and  # _grow's no-op: its block is there, not shared (or not written)
+                  (start < req.num_shared_kv_tokens or ref_counts[req.block_ids[start // bs]] < 2)):
+                decode.append(req)
+                i += 1
+            elif self._grow(req, start, 1):
                 decode.append(req)
                 i += 1
             else:  # the newest running request gives way (possibly req itself)
@@ -221,9 +230,9 @@ class Scheduler:
     def _schedule_drafts(self, decode: list[Request], num_tokens: int, budget: int) -> list[list[int]]:
         """The draft tokens each decoding request verifies after its token (speculative
         decoding; see SpecDecodeManager.allocate): their blocks readied, never at the cost
-        of a preemption."""
+        of a preemption. [] when none of them has drafts."""
         if self.draft_policy is None or not any(r.draft_token_ids for r in decode):
-            return [[] for _ in decode]
+            return []
         drafts = []
         for req, n in zip(decode, self.draft_policy.allocate(decode, num_tokens, budget)):
             ok = n and self._grow(req, req.num_computed_tokens, 1 + n)
@@ -299,17 +308,22 @@ class Scheduler:
         each entry's tokens, one, or with drafts the accepted drafts plus one (only the verified
         positions count as computed; blocks past them go back to the pool)."""
         produced = []
+        prefix, bs = self.prefix, self.block_size
+        caching = self.pool.enable_prefix_caching
+        finished = RequestStatus.FINISHED
         for i, (req, q, tokens) in enumerate(zip(out.requests, out.q_lens, sampled)):
-            if req.is_finished:  # async scheduling: it ended (stop, abort) while this step ran
+            if req.status is finished:  # async scheduling: it ended (stop, abort) while this step ran
                 continue
-            n_drafts = out.num_drafts(i)
+            n_drafts = len(out.drafts[i]) if out.drafts else 0
             req.num_computed_tokens += q - n_drafts + len(tokens) - 1
             if n_drafts:
                 self._release_tail(req, req.num_computed_tokens)
-            self.prefix.cache_full_blocks(req)
-            if req.num_computed_tokens < req.num_tokens:
+            if caching and req.num_computed_tokens // bs > len(req.block_hashes):  # a block completed
+                prefix.cache_full_blocks(req)
+            if req.num_computed_tokens < len(req.prompt_token_ids) + len(req.output_token_ids):
                 continue
-            self.prefix.release(req)  # nothing left to compute: its blocks are cached
+            if prefix.inflight_keys:
+                prefix.release(req)  # nothing left to compute: its blocks are cached
             if req.prefill_only:  # scoring a prompt or an embedding: nothing to generate
                 self.finish(req, "length")
                 produced.append((req, i, None))
