@@ -90,6 +90,9 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = option(None, "KV memory per data-parallel rank, split over its tensor-parallel "
                                               "devices (default: 2 GiB on CPU, 0.8 of the free device memory "
                                               "on accelerators)", float)
+    kv_offload_gb: float | None = option(None, "host-memory KV tier in GiB (per engine): prefix blocks the device "
+                                         "pool evicts are kept there and copied back on a later prefix hit instead "
+                                         "of recomputed (paged cache with prefix caching; default: off)", float)
     attention_impl: str = option("auto", "paged attention kernel: auto, reference, chunked, ragged, native, "
                                  "pallas_tpu, pallas_gpu (see pallas_kernels/paged_attention/ops.py)", str)
     scan_layers: bool | None = option(None, "run the layers as one lax.scan (default: on accelerators; unrolled "
@@ -158,6 +161,21 @@ class EngineConfig:
         self._check_generation_config()
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        gb = self.kv_offload_gb
+        if gb is None:
+            return
+        if not isinstance(gb, (int, float)) or isinstance(gb, bool) or not gb > 0:
+            raise ValueError(f"kv_offload_gb must be a number > 0 (GiB), got {gb!r}")
+        if self.kv_cache != "paged":
+            raise ValueError("kv_offload_gb needs kv_cache='paged' (a dense slot is not a prefix block)")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb needs prefix caching (the host tier keeps prefix-cache blocks); "
+                             "drop --no-prefix-caching")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ValueError("kv_offload_gb is not supported with a draft model (its own KV pool is not offloaded)")
 
     def _check_generation_config(self) -> None:
         source = self.generation_config

@@ -47,6 +47,9 @@ class BlockPool:
         self._hash_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (key, token ids)
         self._block_of: dict[bytes, int] = {}  # key -> block
         self.num_evictions = 0
+        # (block, key) of each cached block `allocate` evicts, for a KV tier below the pool to
+        # save before the block is rewritten (core/kv_offload.py drains it); None: not recorded
+        self.evicted: list[tuple[int, bytes]] | None = None
         self.num_cow_copies = 0
 
     # -- counts ---------------------------------------------------------------------------
@@ -125,10 +128,14 @@ class BlockPool:
         if entry is not None:
             del self._block_of[entry[0]]
             self.num_evictions += 1
+            if self.evicted is not None:
+                self.evicted.append((block, entry[0]))
 
     def reset_prefix_cache(self) -> None:
         self._hash_of.clear()
         self._block_of.clear()
+        if self.evicted is not None:  # not saved below the pool either
+            self.evicted.clear()
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the pool's bookkeeping is inconsistent (for tests)."""

@@ -39,8 +39,19 @@ def stats(engine) -> dict:
         "platform": current_platform().describe(),  # one line: the backend, its hardware, its choices
         "kv_pool_bytes_per_device": engine.kv_pool_bytes_per_device,
         **(engine.lora.stats() if engine.lora is not None else {}),
+        **kv_offload_stats(engine),
         "data_parallel_ranks": ranks,
     }
+
+
+def kv_offload_stats(engine) -> dict:
+    """The host KV tier's counters (kv_offload_gb): the policies' (summed over ranks) and the
+    copier's, with its HostKVPool's; {} when off."""
+    tiers = getattr(engine, "kv_tiers", None)
+    if tiers is None:
+        return {}
+    each = [s.offload.stats() for s in engine.schedulers]
+    return {**{k: sum(e[k] for e in each) for k in each[0]}, **tiers.stats()}
 
 
 def compile_stats(engine) -> dict:

@@ -43,6 +43,7 @@ from pagedjax.spec_decode.manager import make_spec_decode
 from pagedjax.structured_output.manager import StructuredOutputManager
 from pagedjax.worker import compile_counter
 from pagedjax.worker.compile_ahead import CompileAhead
+from pagedjax.worker.kv_tiers import attach_kv_tiers
 from pagedjax.worker.model_runner import ModelRunner
 from pagedjax.platforms import current_platform
 
@@ -112,6 +113,7 @@ class LLMEngine(WeightControl, EngineInfo):
         if cfg.release_window_blocks and not dense and draft is None:  # a draft model reads every block
             for sched in self.schedulers:
                 sched.window = window_release(self.model_config.layer_windows, plan.block_size)
+        self.kv_tiers = attach_kv_tiers(cfg.kv_offload_gb, self.runner, self.schedulers)  # None: no host KV tier
         self.compile_ahead = CompileAhead(self.runner, self.buckets, cfg.max_model_len)
         self.spec = make_spec_decode(cfg, self.buckets, plan, draft)  # None: no speculative decoding
         for sched in self.schedulers:

@@ -39,6 +39,8 @@ class WeightControl:
         go on); the next prompts compute their KV afresh. True (it always can)."""
         for pool in self.pools:
             pool.reset_prefix_cache()
+        if self.kv_tiers is not None:  # the host tier's blocks too (their KV may be from old weights)
+            self.kv_tiers.clear()
         return True
 
     def sleep(self, level: int = 1) -> None:

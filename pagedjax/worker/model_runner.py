@@ -105,6 +105,7 @@ class ModelRunner(CompiledSteps):
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn)
         self._copy_blocks = jax.jit(self._copy_blocks_fn, donate_argnums=(0,))
         self._copy_executable = None  # compiled copy-on-write, [dp * max_num_seqs] (src, dst)
+        self.kv_tiers = None  # the host KV tier's KVTierCopier (worker/kv_tiers.py; None: off)
         self._executables: dict[int, object] = {}  # T bucket -> compiled forward pass
         self._prompt_executables: dict[int, object] = {}  # T bucket -> compiled prompt logprobs
         self._hidden_specs: dict[int, jax.ShapeDtypeStruct] = {}  # T bucket -> the step's hidden output
@@ -274,6 +275,9 @@ class ModelRunner(CompiledSteps):
         s = self.buckets.num_rows(t)
         step_buf, sample_buf = self._to_device(t, inputs, sampling)
         with self._state_lock:
+            if self.kv_tiers is not None:  # the host tier's saves, then loads (before the copies: fresh blocks)
+                self.kv, compiled = self.kv_tiers.apply(self.kv, outs)
+                first_run |= compiled
             if (copies[1] < self.cache.num_blocks).any():  # copy-on-write before the step writes
                 first_run |= self._copy_executable is None  # compiles now (no warm-up ran)
                 self._compile_copy_blocks()

@@ -20,6 +20,10 @@ class SchedulerOutput:
     # speculative decoding: the draft tokens each entry verifies after its decode token (its
     # q_len is 1 + len(drafts)); empty when no entry of the step has drafts
     drafts: list[list[int]] = field(default_factory=list)
+    # the host KV tier (KVOffloadPolicy; empty when off), both run before the step, saves first:
+    # evicted prefix blocks (device block, key) copied to the host, and host hits (key, device block) copied in
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
+    loads: list[tuple[bytes, int]] = field(default_factory=list)
 
     def num_drafts(self, i: int) -> int:
         return len(self.drafts[i]) if self.drafts else 0

@@ -41,6 +41,9 @@ class Scheduler:
         self.lora = None
         # sliding-window models: a WindowBlockRelease that frees blocks no query reads again (None: off)
         self.window = None
+        # the host KV tier's KVOffloadPolicy (core/kv_offload.py; None when off): evicted prefix blocks
+        # saved below the device pool, host hits loaded back
+        self.offload = None
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
@@ -50,6 +53,7 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0
         self.num_forks = 0
         self._copies: list[tuple[int, int]] = []  # copy-on-write copies for the step being built
+        self._loads: list[tuple[bytes, int]] = []  # host tier -> device (key, block) for the step being built
         self.prefix = PrefixCache(pool)  # prefix-cache lookups and the blocks running requests are computing
 
     # -- queue management -----------------------------------------------------------------
@@ -98,7 +102,7 @@ class Scheduler:
     def schedule(self, hold: frozenset = frozenset()) -> SchedulerOutput | None:
         """hold: running requests to leave out of this step (async scheduling: they finish
         once the step in flight is read back)."""
-        self._copies = []
+        self._copies, self._loads = [], []
         if self.window is not None:
             for req in self.running:
                 self.window.release(req, self.pool)
@@ -112,11 +116,15 @@ class Scheduler:
             self._release_tail(reqs[-1], starts[-1] + q_lens[-1])
         drafts = self._schedule_drafts(decode, len(decode) + sum(q_lens), budget)
         if not any(drafts):
-            return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
-                                   [1] * len(decode) + q_lens, len(decode), self._copies, [])
-        return SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
-                               [1 + len(d) for d in drafts] + q_lens, len(decode), self._copies,
-                               drafts + [[]] * len(reqs))
+            out = SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
+                                  [1] * len(decode) + q_lens, len(decode), self._copies, [])
+        else:
+            out = SchedulerOutput(decode + reqs, [r.num_computed_tokens for r in decode] + starts,
+                                  [1 + len(d) for d in drafts] + q_lens, len(decode), self._copies,
+                                  drafts + [[]] * len(reqs))
+        if self.offload is not None:  # evicted blocks saved, then host hits loaded, before the step
+            out.saves, out.loads = self.offload.take_saves(), self._loads
+        return out
 
     def _release_tail(self, req: Request, end: int) -> None:
         """Returns req's blocks past token position `end` to the pool (allocated for tokens
@@ -172,7 +180,10 @@ class Scheduler:
                 if next_key is not None and self.prefix.in_flight(next_key, req):
                     skipped.append(self.waiting.popleft())
                     continue
-                start = len(hits) * self.block_size
+                # the host tier's blocks after the device hits
+                host = self.offload.match(req, len(hits), next_key) \
+                    if self.offload is not None and next_key is not None else []
+                start = (len(hits) + len(host)) * self.block_size
                 # sliding-window models: hits no query of req will read are not taken (stay released)
                 skip = min(self.window.num_outside(start), len(hits)) if self.window is not None else 0
                 q = min(req.num_tokens - start, budget)
@@ -189,12 +200,14 @@ class Scheduler:
                 self.pool.take(b)
             req.block_ids, req.num_released_blocks = hits + self.pool.allocate(need), skip
             req.block_hashes = req.block_hashes[:len(hits)]
+            if host:  # their fresh blocks are loaded before the step and cached from now on
+                self.offload.admit(req, len(hits), host, self._loads)
             req.num_computed_tokens = start
             req.num_shared_kv_tokens = 0
             if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
-                req.num_cached_tokens = start
+                req.num_cached_tokens = start  # device and host tiers
                 self.prefix_cache_query_tokens += req.num_prompt_tokens
-                self.prefix_cache_hit_tokens += start
+                self.prefix_cache_hit_tokens += len(hits) * self.block_size  # the device's (host: the policy's)
             req.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(req)

@@ -28,6 +28,12 @@ _COUNTER_STATS = {
     "spec_accepted_tokens": "Speculative draft tokens accepted.",
     "lora_slot_loads": "LoRA adapters written into a device slot (--enable-lora).",
     "lora_disk_loads": "LoRA adapters read from disk (--enable-lora).",
+    "kv_offload_saved_blocks": "KV blocks evicted from the device pool and copied to the host tier (--kv-offload-gb).",
+    "kv_offload_loaded_blocks": "KV blocks copied back from the host tier instead of recomputed (--kv-offload-gb).",
+    "kv_offload_host_hit_tokens": "Prompt tokens found in the host KV tier (--kv-offload-gb).",
+    "kv_offload_bytes_saved": "Bytes copied device -> host by the host KV tier (--kv-offload-gb).",
+    "kv_offload_bytes_loaded": "Bytes copied host -> device by the host KV tier (--kv-offload-gb).",
+    "kv_offload_copy_seconds": "Host seconds spent on the host KV tier's copies (--kv-offload-gb).",
 }
 _GAUGE_HELP = {
     "kv_blocks_total": "KV-cache blocks in the pool.",
@@ -43,6 +49,8 @@ _GAUGE_HELP = {
     "spec_mean_tokens_per_step": "Tokens a request gets from a step that verifies drafts (1 without speculation).",
     "lora_slots_used": "Device LoRA slots holding an adapter (of max_loras).",
     "lora_adapters_known": "LoRA adapters requests may name.",
+    "host_kv_blocks_total": "Blocks the host KV tier holds at most (--kv-offload-gb).",
+    "host_kv_blocks_used": "Blocks stored in the host KV tier now (--kv-offload-gb).",
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)

@@ -1,0 +1,105 @@
+"""KVOffloadPolicy with the scheduler, host side only (no model, no copies): a set of keys
+stands in for the host tier. Evicted prefix blocks are planned as saves; a prefix that
+misses the device but hits the host is planned as loads into fresh, cached blocks and counts
+as computed."""
+from pagedjax.core.block_pool import BlockPool
+from pagedjax.core.buckets import Buckets
+from pagedjax.core.kv_offload import KVOffloadPolicy
+from pagedjax.core.request import Request
+from pagedjax.core.sched.scheduler import Scheduler
+from pagedjax.sampling_params import SamplingParams
+
+BS = 4
+
+
+class FakeHost:
+    """The copier's side: keys it holds (a save lands at once here)."""
+
+    def __init__(self):
+        self.keys: set[bytes] = set()
+
+    def __call__(self, key: bytes) -> bool:
+        return key in self.keys
+
+
+def make(num_blocks=8):
+    s = Scheduler(BlockPool(num_blocks, BS), Buckets(4, 64), 64)
+    host = FakeHost()
+    s.offload = KVOffloadPolicy(s.pool, host)
+    return s, host
+
+
+def drain(s, host, req):
+    """Runs req to the end; every step's saves land in the host. -> the step outputs."""
+    s.add(req)
+    outs = []
+    while s.has_unfinished():
+        out = s.schedule()
+        host.keys.update(key for _, key in out.saves)
+        outs.append(out)
+        for r, _, t in s.update(out, [[7]] * len(out.requests)):
+            r.output_token_ids += t
+            s.check_stop(r, t[-1])
+    return outs
+
+
+def req(rid, tokens, max_tokens=1):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), seed=0)
+
+
+def test_evicted_blocks_are_saved_and_loaded_back():
+    s, host = make(num_blocks=8)
+    doc = list(range(100, 124))  # 6 full blocks
+    outs = drain(s, host, req("a", doc + [1]))
+    assert not any(o.saves or o.loads for o in outs)  # nothing evicted yet
+    keys_a = list(s.pool._block_of)  # the doc's 6 cached blocks
+    outs = drain(s, host, req("b", list(range(200, 224)) + [2]))  # needs 7 of 8 blocks: evicts a's
+    saved = [key for o in outs for _, key in o.saves]
+    assert saved and set(saved) <= set(keys_a)
+    assert s.offload.num_saved_blocks == len(saved)
+    # a's doc again: the device kept at most 1 of its blocks (the first); the rest come from the host
+    c = req("c", doc + [3])
+    outs = drain(s, host, c)
+    first = outs[0]
+    device_hits = 6 - len(saved)
+    assert [key for key, _ in first.loads] == keys_a[device_hits:]
+    assert first.q_lens == [1] and first.starts == [24]  # only the last token is computed
+    assert c.num_cached_tokens == 24 and s.prefix_cache_hit_tokens == device_hits * BS
+    assert s.offload.host_hit_tokens == len(saved) * BS
+    for key, block in first.loads:  # registered in the prefix cache under their keys
+        assert s.pool._hash_of[block][0] == key
+    s.pool.check_invariants()
+    assert s.pool.num_free == 8
+
+
+def test_host_match_stops_at_the_first_miss_and_before_the_last_token():
+    s, host = make(num_blocks=16)
+    r = req("r", list(range(50, 66)))  # exactly 4 blocks: the 4th holds the last token
+    from pagedjax.core.sched.prefix_cache import block_key
+
+    keys, parent = [], None
+    for i in range(4):
+        parent = block_key(r, i, parent, tuple(r.all_token_ids[i * BS:(i + 1) * BS]))
+        keys.append(parent)
+    host.keys = {keys[0], keys[1], keys[3]}
+    assert s.offload.match(r, 0, keys[0]) == keys[:2]  # block 2 misses: stop there
+    host.keys = set(keys)
+    assert s.offload.match(r, 0, keys[0]) == keys[:3]  # block 3 holds the last token: computed
+    assert s.offload.match(r, 1, keys[1]) == keys[1:3]
+
+
+def test_saves_skip_keys_the_host_holds():
+    s, host = make(num_blocks=8)
+    drain(s, host, req("a", list(range(100, 124)) + [1]))
+    host.keys = set(s.pool._block_of)  # as if saved before
+    outs = drain(s, host, req("b", list(range(200, 224)) + [2]))
+    assert not any(o.saves for o in outs)
+    assert s.offload.num_save_skipped > 0 and s.offload.num_saved_blocks == 0
+
+
+def test_off_by_default():
+    s = Scheduler(BlockPool(8, BS), Buckets(4, 64), 64)
+    assert s.offload is None and s.pool.evicted is None
+    s.add(req("a", range(100, 125)))
+    out = s.schedule()
+    assert out.saves == [] and out.loads == []
