@@ -147,15 +147,16 @@ def matmul_floor(engine, step_tokens: list[int], repeats: int = 3) -> dict:
 
     from flax import nnx
 
-    model = nnx.merge(engine.runner.graphdef, engine.runner.state)
+    graphdef, state = engine.runner.graphdef, engine.runner.state
+    model = nnx.merge(graphdef, state)
     if model.scan_layers:
         return {"seconds": float("nan"), "steps": len(step_tokens), "note": "not timed for scanned layers"}
-    layers = list(model.layers)
-    e = model.config.hidden_size
     hd = model.config.num_heads * model.config.head_dim
 
     @jax.jit
-    def forward(tokens, rows):
+    def forward(state, tokens, rows):  # the weights an argument: as constants, XLA copies them into each executable
+        model = nnx.merge(graphdef, state)
+        layers = list(model.layers)
         x = model.embed[...][tokens]
         for layer in layers:
             h = jnp.einsum("ti,oi->to", x, layer.attn.wqkv[...])[:, :hd]
@@ -169,15 +170,15 @@ def matmul_floor(engine, step_tokens: list[int], repeats: int = 3) -> dict:
     for t, count in sorted(Counter(step_tokens).items()):
         tokens = jnp.zeros(t, jnp.int32)
         rows = jnp.arange(engine.buckets.num_seqs(t), dtype=jnp.int32)
-        forward(tokens, rows).block_until_ready()
+        forward(state, tokens, rows).block_until_ready()
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            forward(tokens, rows).block_until_ready()
+            forward(state, tokens, rows).block_until_ready()
             times.append(time.perf_counter() - t0)
         per_t[t] = (count, min(times))
     total = sum(c * s for c, s in per_t.values())
-    return {"seconds": total, "steps": len(step_tokens), "hidden_size": e,
+    return {"seconds": total, "steps": len(step_tokens), "hidden_size": model.config.hidden_size,
             "by_tokens": {str(t): {"steps": c, "ms": 1e3 * s} for t, (c, s) in per_t.items()}}
 
 

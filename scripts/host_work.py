@@ -9,7 +9,8 @@ N: the median step, the host work in total and per request, the device wait; and
 work split once more: `launch` is the time in `runner.dispatch` outside `runner.prepare` (the
 two buffers put on the device and the executables called: on CPU, XLA may run a small
 executable inside the call, so part of the device's work lands here), `python` the rest
-(scheduling, batch preparation, output processing). Then a cProfile of the host side at the
+(scheduling, batch preparation, output processing); and the step's wall time with async
+scheduling on (another engine: the host's work overlaps the device's). Then a cProfile of the host side at the
 largest N (the functions with the most own time).
 
     python scripts/host_work.py [--sizes 1,16,64,256,512] [--steps 40] [--profile-top 15]
@@ -40,10 +41,10 @@ def make_tiny_checkpoint(path: Path) -> None:
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(str(path))
 
 
-def running_engine(model: str, n: int, steps: int) -> LLMEngine:
+def running_engine(model: str, n: int, steps: int, async_scheduling: bool = False) -> LLMEngine:
     """An engine with n requests admitted and past their prompts (every step a decode of n rows)."""
     engine = LLMEngine(model, stream_text=False, max_num_seqs=n, max_model_len=64 + steps * 2,
-                       enable_prefix_caching=False, async_scheduling=False)
+                       enable_prefix_caching=False, async_scheduling=async_scheduling)
     engine.warmup(progress=False)
     rng = np.random.default_rng(0)
     for i in range(n):
@@ -84,6 +85,18 @@ def timed(engine: LLMEngine, steps: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return 1e3 * np.array(wall), 1e3 * np.array(wait), 1e3 * np.array(launch)
 
 
+def async_step_ms(model: str, n: int, steps: int) -> float:
+    """Median wall ms of a decode step of n requests with async scheduling on (the host's work
+    for step k + 1 done while the device runs step k)."""
+    engine = running_engine(model, n, steps, async_scheduling=True)
+    wall = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        wall.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(wall))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1,16,64,256,512", help="running requests (comma list)")
@@ -94,7 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_checkpoint(Path(tmp))
         print(f"{'N':>5} {'step ms':>9} {'host ms':>9} {'host us/req':>12} {'device wait ms':>15} "
-              f"{'launch ms':>10} {'python ms':>10} {'python us/req':>14}")
+              f"{'launch ms':>10} {'python ms':>10} {'python us/req':>14} {'async step ms':>14}")
         engine = None
         for n in sizes:
             engine = running_engine(tmp, n, args.steps)
@@ -102,7 +115,7 @@ def main() -> None:
             host, python = wall - wait, wall - wait - launch
             print(f"{n:5d} {np.median(wall):9.2f} {np.median(host):9.2f} {1e3 * np.median(host) / n:12.1f} "
                   f"{np.median(wait):15.2f} {np.median(launch):10.2f} {np.median(python):10.2f} "
-                  f"{1e3 * np.median(python) / n:14.1f}", flush=True)
+                  f"{1e3 * np.median(python) / n:14.1f} {async_step_ms(tmp, n, args.steps):14.2f}", flush=True)
         if args.profile_top and engine is not None:
             engine = running_engine(tmp, sizes[-1], args.steps)
             profile = cProfile.Profile()
