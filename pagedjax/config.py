@@ -59,8 +59,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(None, "tokens per step, decode and prompt chunks together, padding "
                                                 "included (default: 2048)", int)
     min_step_tokens: int | None = option(None, "the smallest compiled step, in tokens (a power of two; default: the "
-                                         "platform's: 1 on CPU, where a step's cost follows its padded rows, 8 on "
-                                         "GPU/TPU)", int)
+                                         "platform's: 1 on CPU for bf16 weights, where a step's cost follows its padded "
+                                         "rows, 8 for float32 and on GPU/TPU)", int)
     enable_prefix_caching: bool = option(True, "share identical prompt prefixes (blocks by reference count)", bool,
                                          negative="--no-prefix-caching")
     release_window_blocks: bool = option(True, "models whose every layer has a sliding window (Mistral, Mixtral): "
@@ -93,6 +93,12 @@ class EngineConfig:
     kv_offload_gb: float | None = option(None, "host-memory KV tier in GiB (per engine): prefix blocks the device "
                                          "pool evicts are kept there and copied back on a later prefix hit instead "
                                          "of recomputed (paged cache with prefix caching; default: off)", float)
+    kv_offload_dir: str | None = option(None, "disk KV tier: a folder where full prefix blocks are written as they "
+                                        "are computed (in the background) and read back on a later prefix hit, "
+                                        "also after a restart (one subfolder per model, dtype and block size; "
+                                        "default: off)", str, metavar="DIR")
+    kv_offload_disk_gb: float = option(16.0, "size bound of the disk KV tier's folder in GiB (--kv-offload-dir; "
+                                       "least recently used blocks go first)", float)
     attention_impl: str = option("auto", "paged attention kernel: auto, reference, chunked, ragged, native, "
                                  "pallas_tpu, pallas_gpu (see pallas_kernels/paged_attention/ops.py)", str)
     scan_layers: bool | None = option(None, "run the layers as one lax.scan (default: on accelerators; unrolled "
@@ -164,18 +170,26 @@ class EngineConfig:
         self._check_kv_offload()
 
     def _check_kv_offload(self) -> None:
-        gb = self.kv_offload_gb
-        if gb is None:
+        gb, folder, disk_gb = self.kv_offload_gb, self.kv_offload_dir, self.kv_offload_disk_gb
+        if not isinstance(disk_gb, (int, float)) or isinstance(disk_gb, bool) or not disk_gb > 0:
+            raise ValueError(f"kv_offload_disk_gb must be a number > 0 (GiB), got {disk_gb!r}")
+        if gb is None and folder is None:
             return
-        if not isinstance(gb, (int, float)) or isinstance(gb, bool) or not gb > 0:
+        if gb is not None and (not isinstance(gb, (int, float)) or isinstance(gb, bool) or not gb > 0):
             raise ValueError(f"kv_offload_gb must be a number > 0 (GiB), got {gb!r}")
+        if folder is not None:
+            if not isinstance(folder, str) or not folder.strip():
+                raise ValueError(f"kv_offload_dir must be a folder path, got {folder!r}")
+            if Path(folder).expanduser().exists() and not Path(folder).expanduser().is_dir():
+                raise ValueError(f"kv_offload_dir {folder!r} exists and is not a folder")
+        name = "kv_offload_gb" if gb is not None else "kv_offload_dir"
         if self.kv_cache != "paged":
-            raise ValueError("kv_offload_gb needs kv_cache='paged' (a dense slot is not a prefix block)")
+            raise ValueError(f"{name} needs kv_cache='paged' (a dense slot is not a prefix block)")
         if not self.enable_prefix_caching:
-            raise ValueError("kv_offload_gb needs prefix caching (the host tier keeps prefix-cache blocks); "
+            raise ValueError(f"{name} needs prefix caching (the KV tiers keep prefix-cache blocks); "
                              "drop --no-prefix-caching")
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            raise ValueError("kv_offload_gb is not supported with a draft model (its own KV pool is not offloaded)")
+            raise ValueError(f"{name} is not supported with a draft model (its own KV pool is not offloaded)")
 
     def _check_generation_config(self) -> None:
         source = self.generation_config

@@ -90,7 +90,7 @@ class LLMEngine(WeightControl, EngineInfo):
         # a step verifies at most k drafts for each of up to 16 requests (sampled rows beyond one per sequence)
         max_drafts = spec.num_speculative_tokens * min(plan.max_num_seqs, 16) if spec else 0
         self.buckets = Buckets(plan.max_num_seqs, cfg.max_num_batched_tokens, max_drafts,
-                               min_tokens=cfg.min_step_tokens or current_platform().smallest_step())
+                               min_tokens=cfg.min_step_tokens or current_platform().smallest_step(self.model.dtype))
         # one block pool and scheduler per data-parallel rank; num_blocks and max_num_seqs are per rank
         dense = cfg.kv_cache == "dense"
         self.pools = [BlockPool(cfg.num_blocks, plan.block_size, cfg.enable_prefix_caching and not dense)
@@ -113,7 +113,7 @@ class LLMEngine(WeightControl, EngineInfo):
         if cfg.release_window_blocks and not dense and draft is None:  # a draft model reads every block
             for sched in self.schedulers:
                 sched.window = window_release(self.model_config.layer_windows, plan.block_size)
-        self.kv_tiers = attach_kv_tiers(cfg.kv_offload_gb, self.runner, self.schedulers)  # None: no host KV tier
+        self.kv_tiers = attach_kv_tiers(cfg, self.runner, self.schedulers, self.model_dir, weights)  # None: no tier
         self.compile_ahead = CompileAhead(self.runner, self.buckets, cfg.max_model_len)
         self.spec = make_spec_decode(cfg, self.buckets, plan, draft)  # None: no speculative decoding
         for sched in self.schedulers:

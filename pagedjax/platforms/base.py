@@ -71,15 +71,20 @@ class Platform:
             return pinned
         return "bfloat16" if self.fast_bf16 else "float32"
 
-    def smallest_step(self) -> int:
-        """The smallest step rung in tokens (core.buckets; EngineConfig.min_step_tokens
-        overrides): $PAGEDJAX_MIN_STEP_TOKENS if set, else `min_step_tokens`."""
+    def smallest_step(self, dtype=None) -> int:
+        """The smallest step rung in tokens for a model of weights in `dtype` (core.buckets;
+        EngineConfig.min_step_tokens overrides): $PAGEDJAX_MIN_STEP_TOKENS if set, else
+        `default_step(dtype)`."""
         pinned = os.environ.get(MIN_STEP_TOKENS_ENV)
         if not pinned:
-            return self.min_step_tokens
+            return self.default_step(dtype)
         if not pinned.isdigit() or int(pinned) not in (1, 2, 4, 8, 16):
             raise ValueError(f"{MIN_STEP_TOKENS_ENV} must be a power of two from 1 to 16, got {pinned!r}")
         return int(pinned)
+
+    def default_step(self, dtype=None) -> int:
+        """The smallest step rung unless pinned: `min_step_tokens`."""
+        return self.min_step_tokens
 
     # -- kernels ---------------------------------------------------------------------------
     def attention_impl(self, q_dtype, page_size: int, page_dtype) -> str:

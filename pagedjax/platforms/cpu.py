@@ -72,6 +72,15 @@ class CpuPlatform(Platform):
     # of 1, 2 and 4 tokens for small decode batches (scripts/decode_floor.py)
     min_step_tokens: ClassVar[int] = 1
 
+    def default_step(self, dtype=None) -> int:
+        """1 (`min_step_tokens`), but 8 for float32 weights: an engine with float32 steps of 1,
+        2 and 4 tokens ran its 32-token steps ~1.6x slower (the mixed workload of
+        scripts/bench_workload.py, 2-core AMD EPYC, 2026-12-07; bf16 unchanged), and f32 decode
+        gains little from them."""
+        if dtype is not None and jnp.dtype(dtype) == jnp.float32:
+            return 8
+        return self.min_step_tokens
+
     @property
     def features(self) -> frozenset[str]:
         return self.flags if self.flags is not None else cpu_flags()
