@@ -275,6 +275,9 @@ class AsyncEngine(OutputRouting):
                         raise
                 if stop:
                     self._abort_all(ShuttingDownError("the server shut down"))
+                    close = getattr(self.engine, "close_kv_tiers", None)  # the disk KV tier's pending writes
+                    if close is not None:
+                        close()
                     return
                 if commands:  # an admitted request counts as waiting before its first step
                     self._snapshot()

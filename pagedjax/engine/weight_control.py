@@ -31,6 +31,8 @@ class WeightControl:
         self.runner.wait_for_warmup()  # a background warm-up steps with the weights and the pool
         n = self.weight_sync.update(weights, transform)
         self.reset_prefix_cache()
+        if self.kv_tiers is not None:  # the disk tier keeps the model files' KV, no longer these weights'
+            self.kv_tiers.drop_disk()
         self.num_weight_updates += 1
         return n
 
@@ -42,6 +44,15 @@ class WeightControl:
         if self.kv_tiers is not None:  # the host tier's blocks too (their KV may be from old weights)
             self.kv_tiers.clear()
         return True
+
+    def close_kv_tiers(self) -> None:
+        """Writes the KV blocks computed since the last step through to the disk tier and waits
+        for its pending writes (`LLM.close()`, its `with` exit and the server's shutdown all
+        come here); idempotent, a no-op without a disk tier. The engine still serves after it;
+        the disk tier is read-only then."""
+        if self.kv_tiers is not None:
+            with self.runner._state_lock:  # a background warm-up's first run may be replacing the pool
+                self.kv_tiers.close(self.runner.kv)
 
     def sleep(self, level: int = 1) -> None:
         """Releases device memory while the process does other work (e.g. trains): level 1 the

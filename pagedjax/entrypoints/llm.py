@@ -175,6 +175,18 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Waits for the disk KV tier's pending writes (kv_offload_dir; a no-op without it), so
+        that a later engine on the same folder finds every block. Idempotent; also at the end
+        of `with LLM(...) as llm:`."""
+        self.engine.close_kv_tiers()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- inside a training loop (docs/design/integration.md) ---------------------------------
     def update_weights(self, weights, transform=None) -> int:
         """New weights from memory between generate calls: Hugging Face-named arrays (a

@@ -14,10 +14,18 @@ scales `[Hkv, L * NB, BS]`), layer l's block b at `l * NB + b`; a host block is 
 those rows for every l: `[Hkv, L, BS, D]` (scales `[Hkv, L, BS]`), see kv_block_spec.py. Under
 tensor parallelism the gather and scatter run on the sharded pool (XLA moves each head shard);
 the host holds every head.
+
+The disk tier (`kv_offload_dir`, a DiskKVStore): `writes` (device block, key) are full blocks
+computed by steps already dispatched; they join the step's gather and, at the next dispatch,
+go to the store's writer thread (atomic files written in the background). A disk hit is read
+and verified on the engine thread while the scheduler matches (`fetch`: a corrupt file is a
+miss, never a wrong load) and staged in memory until its load. `close` (LLM.close, the server's
+shutdown) writes the blocks completed since the last step and waits for the writer.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +35,13 @@ from pagedjax.core.kv_offload import KVOffloadPolicy
 from pagedjax.pallas_kernels.paged_attention import cpu_native
 from pagedjax.parallel.distributed import is_multiprocess
 from pagedjax.pallas_kernels.paged_attention.ops import write_kv
+from pagedjax.worker.kv_block_spec import BlockSpec
+from pagedjax.worker.kv_disk_identity import disk_key_fields
+from pagedjax.worker.kv_disk_store import DiskKVStore
 from pagedjax.worker.kv_host_pool import HostKVPool
+
+GIB = 1 << 30
+MAX_PENDING_DISK_WRITES = 256  # blocks queued for the writer thread; more are dropped (recomputed later)
 
 
 def padded(n: int) -> int:
@@ -90,17 +104,31 @@ def scatter_blocks_native(leaves: list, blocks, values: list, num_layers: int, n
 
 
 class KVTierCopier:
-    """Owns the host tier (HostKVPool of `kv_offload_gb` GiB) and moves blocks to and from the
-    device pool `kv` (the runner's, for its layout: the arrays it gets later are the runner's own)."""
+    """Owns the host tier (HostKVPool of `kv_offload_gb` GiB; None: none) and the disk tier
+    (`disk`, a DiskKVStore; None: none) and moves blocks to and from the device pool `kv` (the
+    runner's, for its layout: the arrays it gets later are the runner's own)."""
 
-    def __init__(self, kv, num_layers: int, kv_offload_gb: float, num_ranks: int = 1):
-        """num_ranks: data-parallel ranks, each its own pool of NB blocks (their host tier is shared:
-        keys are content keys)."""
+    def __init__(self, kv, num_layers: int, kv_offload_gb: float | None, num_ranks: int = 1,
+                 disk: tuple[str, float, dict] | None = None):
+        """num_ranks: data-parallel ranks, each its own pool of NB blocks (their tiers are shared:
+        keys are content keys). disk: (folder, size bound in GiB, key fields) of the disk tier."""
         self.num_layers = num_layers
         self.names, leaves = pool_leaves(kv)
         self.num_blocks = leaves[0].shape[1] // (num_layers * num_ranks)  # NB, per rank
         self.num_ranks = num_ranks
-        self.host = HostKVPool.from_gb(block_spec(kv, num_layers), kv_offload_gb)
+        spec = block_spec(kv, num_layers)
+        self.block_bytes = BlockSpec(spec).block_bytes
+        self._fields = spec  # name -> (shape, dtype) of one block
+        self.host = HostKVPool.from_gb(spec, kv_offload_gb) if kv_offload_gb is not None else None
+        self.disk = None
+        if disk is not None:
+            folder, disk_gb, key_fields = disk
+            self.disk = DiskKVStore(folder, int(disk_gb * GIB), key_fields, spec,
+                                    max_pending_writes=MAX_PENDING_DISK_WRITES)
+        self.disk_writable = self.disk is not None  # False after close(): reads only
+        self._staged: dict[bytes, dict] = {}  # disk hits read by fetch, waiting for their load
+        self._dropped_swaps: set[int] = set()  # swap keys dropped while their gather was in flight
+        self.policies: list[KVOffloadPolicy] = []  # one per data rank, in rank order
         self._treedef = jax.tree.structure(tuple(kv))
         shardings = [x.sharding for x in leaves]
         self._gather = jax.jit(lambda leaves, blocks: gather_blocks(leaves, blocks, num_layers, num_ranks))
@@ -110,19 +138,53 @@ class KVTierCopier:
         scatter = scatter_blocks_native if native else scatter_blocks
         self._scatter = jax.jit(lambda leaves, blocks, values: scatter(leaves, blocks, values, num_layers, num_ranks),
                                 donate_argnums=(0,), out_shardings=shardings)
-        self._pending: list[tuple[list[bytes], int, list]] = []  # (keys, n, gathered [n_pad, ...] on device)
+        # gathers in flight: (save keys (prefix keys, int swap keys), write keys, gathered [n_pad, ...] on device)
+        self._pending: list[tuple[list, list[bytes], list]] = []
         self._shapes: set[tuple[str, int]] = set()  # (gather / scatter, padded n) compiled so far
         self.num_saves = self.num_loads = 0  # batched copies run
         self.bytes_saved = self.bytes_loaded = 0
+        self.num_writes = 0  # blocks gathered for the disk tier
         self.copy_seconds = 0.0  # host time in this object: reading back, host pool copies, launches
 
     def in_host(self, key: bytes) -> bool:
         """Whether the host tier holds this key (a hit becomes most recently used there)."""
         return self.host.touch(key)
 
-    def policy(self, pool) -> KVOffloadPolicy:
-        """The scheduler's policy over `pool` (a BlockPool), reading this host tier."""
-        return KVOffloadPolicy(pool, self.in_host)
+    def fetch(self, key: bytes) -> bool:
+        """Whether the disk tier has this key: its file is read and verified now and staged
+        for a load (a corrupt or missing file: False, the block is recomputed)."""
+        if key in self._staged:
+            return True
+        if self.disk is None:  # dropped (new weights)
+            return False
+        arrays = self.disk.get(key)
+        if arrays is None:
+            return False
+        self._staged[key] = arrays
+        return True
+
+    def policy(self, pool, prefix=None) -> KVOffloadPolicy:
+        """The scheduler's policy over `pool` (a BlockPool) and `prefix` (its PrefixCache: the
+        disk tier's write-through), reading these tiers; kept in `policies` (one per rank)."""
+        policy = KVOffloadPolicy(pool, self.in_host if self.host is not None else None, prefix,
+                                 self.fetch if self.disk is not None else None)
+        if self.host is not None:  # swap preemption
+            policy.swap_room, policy.drop_swaps, policy.flush = self.swap_room, self.drop_swaps, self.flush
+        self.policies.append(policy)
+        return policy
+
+    def swap_room(self) -> int:
+        """Host slots that pinned puts can take now, less the swaps planned (every rank's) or
+        whose gather is in flight."""
+        in_flight = sum(isinstance(k, int) and k not in self._dropped_swaps
+                        for saves, _, _ in self._pending for k in saves)
+        return self.host.num_available - in_flight - sum(len(p.planned_swaps) for p in self.policies)
+
+    def drop_swaps(self, keys: list[int]) -> None:
+        """Frees swap keys: stored ones now, those still in flight when their gather lands."""
+        for key in keys:
+            if not self.host.discard(key):
+                self._dropped_swaps.add(key)
 
     def apply(self, kv, outs) -> tuple[object, bool]:
         """Runs the step's saves and loads on the pool `kv` (before its copy-on-write copies
@@ -131,30 +193,19 @@ class KVTierCopier:
         nb = self.num_blocks  # rank r's block b is r * NB + b below
         saves = [(r * nb + b, key) for r, out in enumerate(outs) if out is not None for b, key in out.saves]
         loads = [(key, r * nb + b) for r, out in enumerate(outs) if out is not None for key, b in out.loads]
-        if not (saves or loads or self._pending):
+        writes = [(r * nb + b, key) for r, out in enumerate(outs) if out is not None for b, key in out.writes] \
+            if self.disk_writable else []
+        if not (saves or loads or writes or self._pending):
             return kv, False
         began = time.perf_counter()
         compiled = False
         values = None
         if loads:  # read before the puts below, which could evict the keys to load
-            found, stacked = self.host.get_many([key for key, _ in loads])
-            if not found.all():
-                raise RuntimeError(f"{int((~found).sum())} KV blocks planned for loading left the host tier")
-            n = padded(len(loads))
-            values = [np.concatenate([stacked[name], np.zeros((n - len(loads), *stacked[name].shape[1:]),
-                                                              stacked[name].dtype)]) for name in self.names]
+            values = self._load_values([key for key, _ in loads])
         self._store_pending()
         _, leaves = pool_leaves(kv)
-        if saves:  # before the loads: a load's block may be one this step evicted
-            n = padded(len(saves))
-            blocks = np.zeros(n, np.int32)
-            blocks[:len(saves)] = [b for b, _ in saves]
-            compiled |= self._compiling("gather", n)
-            gathered = self._gather(leaves, blocks)
-            for x in gathered:
-                x.copy_to_host_async()
-            self._pending.append(([key for _, key in saves], len(saves), gathered))
-            self.num_saves += 1
+        if saves or writes:  # before the loads: a load's block may be one this step evicted
+            compiled |= self._start_gather(leaves, saves, writes)
         if loads:
             n = padded(len(loads))
             blocks = np.full(n, self.num_ranks * nb, np.int32)  # padding: dropped
@@ -163,9 +214,49 @@ class KVTierCopier:
             leaves = self._scatter(leaves, blocks, values)
             kv = jax.tree.unflatten(self._treedef, leaves)
             self.num_loads += 1
-            self.bytes_loaded += len(loads) * self.host.spec.block_bytes
+            self.bytes_loaded += len(loads) * self.block_bytes
+        while len(self._staged) > self.num_blocks:  # disk hits of requests that were not admitted
+            del self._staged[next(iter(self._staged))]
         self.copy_seconds += time.perf_counter() - began
         return kv, compiled
+
+    def _load_values(self, keys: list[bytes]) -> list[np.ndarray]:
+        """The blocks of keys (staged disk hits, else host hits) stacked per leaf [n_pad, ...]."""
+        values = [np.zeros((padded(len(keys)), *self._fields[name][0]), self._fields[name][1]) for name in self.names]
+        from_host = [i for i, key in enumerate(keys) if key not in self._staged]
+        if from_host:
+            found, stacked = self.host.get_many([keys[i] for i in from_host]) if self.host is not None else \
+                (np.zeros(len(from_host), bool), None)
+            if not found.all():
+                raise RuntimeError(f"{int((~found).sum())} KV blocks planned for loading left the host tier")
+            for v, name in zip(values, self.names):
+                v[from_host] = stacked[name]
+            for i in from_host:  # a swapped request's blocks: read once, freed now
+                if isinstance(keys[i], int):
+                    self.host.discard(keys[i])
+        for i, key in enumerate(keys):
+            arrays = self._staged.get(key)
+            if arrays is not None:
+                for v, name in zip(values, self.names):
+                    v[i] = arrays[name]
+        for key in keys:  # after the loop: two data ranks may load the same key
+            self._staged.pop(key, None)
+        return values
+
+    def _start_gather(self, leaves: list, saves: list, writes: list) -> bool:
+        """Gathers the blocks of saves (for the host tier) and writes (for the disk tier) in
+        one jitted gather, starts their copy to the host; True if its shape compiled now."""
+        n = padded(len(saves) + len(writes))
+        blocks = np.zeros(n, np.int32)
+        blocks[:len(saves) + len(writes)] = [b for b, _ in saves] + [b for b, _ in writes]
+        compiled = self._compiling("gather", n)
+        gathered = self._gather(leaves, blocks)
+        for x in gathered:
+            x.copy_to_host_async()
+        self._pending.append(([key for _, key in saves], [key for _, key in writes], gathered))
+        self.num_saves += bool(saves)
+        self.num_writes += len(writes)
+        return compiled
 
     def _compiling(self, kind: str, n: int) -> bool:
         new = (kind, n) not in self._shapes
@@ -173,10 +264,23 @@ class KVTierCopier:
         return new
 
     def _store_pending(self) -> None:
-        """Stores the gathers of earlier steps in the host pool (waits for them if need be)."""
-        for keys, n, gathered in self._pending:
-            self.host.put_many(keys, {name: np.asarray(x)[:n] for name, x in zip(self.names, gathered)})
-            self.bytes_saved += n * self.host.spec.block_bytes
+        """Stores the gathers of earlier steps in the host pool and queues them for the disk
+        tier (waits for them if need be); evicted blocks go to disk too (skipped there when
+        stored already; a write-through may have been dropped)."""
+        for saves, writes, gathered in self._pending:
+            arrays = {name: np.asarray(x)[:len(saves) + len(writes)] for name, x in zip(self.names, gathered)}
+            swaps = [i for i, k in enumerate(saves) if isinstance(k, int) and k not in self._dropped_swaps]
+            self._dropped_swaps.difference_update(k for k in saves if isinstance(k, int))
+            if swaps:  # pinned first: swap_room kept room for them; the prefix blocks may be evicted
+                self.host.put_many([saves[i] for i in swaps], {name: a[swaps] for name, a in arrays.items()}, pin=True)
+            prefix = [i for i, k in enumerate(saves) if not isinstance(k, int)]
+            if prefix:
+                self.host.put_many([saves[i] for i in prefix], {name: a[prefix] for name, a in arrays.items()})
+            self.bytes_saved += (len(swaps) + len(prefix)) * self.block_bytes
+            if self.disk_writable:
+                rows = prefix + list(range(len(saves), len(saves) + len(writes)))
+                if rows:
+                    self.disk.put_many([saves[i] for i in prefix] + writes, {n: a[rows] for n, a in arrays.items()})
         self._pending = []
 
     def flush(self) -> None:
@@ -186,30 +290,82 @@ class KVTierCopier:
         self.copy_seconds += time.perf_counter() - began
 
     def clear(self) -> None:
-        """Forgets every host block and drops the saves in flight (new weights: stale KV)."""
+        """Forgets every host block and drops the saves and writes in flight (new weights: stale
+        KV). The disk tier keeps its files: they are the model files' KV (see drop_disk)."""
         self._pending = []
-        self.host.clear()
+        self._staged.clear()
+        self._dropped_swaps.clear()
+        if self.host is not None:
+            self.host.clear()
+        for policy in self.policies:  # swapped-out requests recompute
+            policy.forget_all()
+
+    def drop_disk(self) -> None:
+        """Stops using the disk tier (the weights no longer are the model files' whose KV it
+        keeps): waits for its queued writes and closes it."""
+        if self.disk is not None:
+            self._pending, disk, self.disk = [], self.disk, None
+            self._staged.clear()
+            self.disk_writable = False
+            disk.close()
+
+    def close(self, kv) -> None:
+        """Writes the blocks completed since the last step through to the disk tier and waits
+        for every queued write (LLM.close, the server's shutdown); idempotent, the disk tier
+        is read-only afterwards (new blocks are not written)."""
+        if not self.disk_writable:
+            return
+        began = time.perf_counter()
+        nb = self.num_blocks
+        writes = [(r * nb + b, key) for r, policy in enumerate(self.policies) for b, key in policy.take_writes()]
+        if writes:
+            self._start_gather(pool_leaves(kv)[1], [], writes)
+        self._store_pending()
+        self.disk_writable = False
+        self.disk.close()
+        self.copy_seconds += time.perf_counter() - began
 
     def stats(self) -> dict:
-        return {**self.host.stats(), "kv_offload_save_copies": self.num_saves,
-                "kv_offload_load_copies": self.num_loads, "kv_offload_bytes_saved": self.bytes_saved,
-                "kv_offload_bytes_loaded": self.bytes_loaded, "kv_offload_copy_seconds": self.copy_seconds,
-                "kv_offload_saves_in_flight": sum(n for _, n, _ in self._pending)}
+        out = {**(self.host.stats() if self.host is not None else {}), "kv_offload_save_copies": self.num_saves,
+               "kv_offload_load_copies": self.num_loads, "kv_offload_bytes_saved": self.bytes_saved,
+               "kv_offload_bytes_loaded": self.bytes_loaded, "kv_offload_copy_seconds": self.copy_seconds,
+               "kv_offload_saves_in_flight": sum(len(saves) for saves, _, _ in self._pending),
+               "kv_offload_swapped_requests": sum(len(p.swapped) for p in self.policies)}
+        if self.disk is not None or self.num_writes:
+            out["kv_offload_disk_gathered_blocks"] = self.num_writes
+        if self.disk is not None:
+            out.update(self.disk.stats())
+        return out
 
 
-def attach_kv_tiers(kv_offload_gb: float | None, runner, schedulers) -> KVTierCopier | None:
-    """The engine's host tier: a KVTierCopier on the runner's pool, the runner calling it at
+def attach_kv_tiers(cfg, runner, schedulers, model_dir=None, weights=None) -> KVTierCopier | None:
+    """The engine's KV tiers: a KVTierCopier on the runner's pool, the runner calling it at
     dispatch and each scheduler a KVOffloadPolicy over its pool; None (nothing attached) when
-    kv_offload_gb is None."""
-    if kv_offload_gb is None:
+    cfg.kv_offload_gb and cfg.kv_offload_dir are None. cfg: the EngineConfig (or a number or
+    None: kv_offload_gb alone); model_dir names the disk tier's namespace; weights: those the
+    engine loaded from memory instead of model_dir's files (the disk tier is then refused:
+    its blocks would not be theirs)."""
+    if cfg is None or isinstance(cfg, (int, float)):
+        kv_offload_gb, folder = cfg, None
+    else:
+        kv_offload_gb, folder = cfg.kv_offload_gb, cfg.kv_offload_dir
+    if kv_offload_gb is None and folder is None:
         return None
+    name = "kv_offload_gb" if kv_offload_gb is not None else "kv_offload_dir"
     if is_multiprocess():
-        raise ValueError("kv_offload_gb is not supported across processes yet (each would hold only its own shards)")
+        raise ValueError(f"{name} is not supported across processes yet (each would hold only its own shards)")
     if any(s.window is not None for s in schedulers):
-        raise ValueError("kv_offload_gb is not supported with sliding-window block release yet; "
+        raise ValueError(f"{name} is not supported with sliding-window block release yet; "
                          "add --keep-window-blocks (release_window_blocks=False)")
-    copier = KVTierCopier(runner.kv, runner.num_layers, kv_offload_gb, runner.dp)
+    disk = None
+    if folder is not None:
+        if weights is not None:
+            raise ValueError("kv_offload_dir needs the weights of the model folder's files (weights given in "
+                             "memory have no identity on disk to key the blocks by)")
+        fields = disk_key_fields(model_dir, cfg, runner.block_size)
+        disk = (str(Path(folder).expanduser()), cfg.kv_offload_disk_gb, fields)
+    copier = KVTierCopier(runner.kv, runner.num_layers, kv_offload_gb, runner.dp, disk)
     runner.kv_tiers = copier
     for sched in schedulers:
-        sched.offload = copier.policy(sched.pool)
+        sched.offload = copier.policy(sched.pool, sched.prefix)
     return copier

@@ -103,3 +103,47 @@ def test_off_by_default():
     s.add(req("a", range(100, 125)))
     out = s.schedule()
     assert out.saves == [] and out.loads == []
+
+
+def _swap_setup(room: int):
+    s, host = make(num_blocks=8)
+    flushed, dropped = [], []
+    s.offload.swap_room = lambda: room - sum(isinstance(k, int) for k in host.keys)
+    s.offload.flush, s.offload.drop_swaps = lambda: flushed.append(1), dropped.extend
+    for i in range(2):  # 3 prompt blocks each, growing to 6: the second is preempted in decode
+        s.add(req(f"r{i}", range(100 * i + 10, 100 * i + 22), max_tokens=12))
+    outs = []
+    while s.has_unfinished():
+        out = s.schedule()
+        host.keys.update(key for _, key in out.saves)
+        outs.append(out)
+        for r, _, t in s.update(out, [[7]] * len(out.requests)):
+            r.output_token_ids += t
+            s.check_stop(r, t[-1])
+    return s, outs, flushed, dropped
+
+
+def test_swap_preemption_saves_pinned_and_resumes_from_the_host():
+    s, outs, flushed, dropped = _swap_setup(room=100)
+    assert s.num_preemptions == 1
+    (swap_out,) = [o for o in outs if any(isinstance(k, int) for _, k in o.saves)]
+    swaps = [(b, k) for b, k in swap_out.saves if isinstance(k, int)]
+    loads = [(k, b) for o in outs for k, b in o.loads if isinstance(k, int)]
+    assert flushed  # the next schedule stored the swap before any resume
+    assert s.offload.num_swapped_out_blocks == len(swaps) >= 4
+    # resumed: its device hits first (none survive here, or a few), then its swap keys, not recomputed
+    assert len(loads) + len(dropped) == len(swaps) and s.offload.num_swapped_in_blocks == len(loads) > 0
+    i = outs.index(next(o for o in outs if o.loads))
+    j = [r.request_id for r in outs[i].requests].index("r1")
+    # preempted while decoding: it resumes after its prompt and the tokens it had, one token to go
+    assert outs[i].starts[j] > 12 and outs[i].q_lens[j] == 1
+    assert not s.offload.swapped and s.offload.num_swap_fallbacks == 0
+    s.pool.check_invariants()
+    assert s.pool.num_free == 8
+
+
+def test_swap_falls_back_to_recompute_without_room():
+    s, outs, flushed, dropped = _swap_setup(room=2)
+    assert s.num_preemptions == 1 and s.offload.num_swap_fallbacks == 1
+    assert not any(isinstance(k, int) for o in outs for _, k in o.saves) and not flushed
+    assert s.offload.num_swapped_out_blocks == 0 and not s.offload.swapped

@@ -161,6 +161,11 @@ def test_tensor_and_data_parallel_on_virtual_devices(tmp_path):
     assert all(r["prefix_cache_query_tokens"] > 0 for r in ranks)
     heads = 2  # the tiny llama's KV heads: all of them on the host
     assert [f[1][0] for f in on["host_spec"]] == [heads] * 4
+    # the host + disk engine wrote its blocks through; a restarted disk-only engine reads them back
+    again = res["restart"]
+    assert again["outputs"] == off["outputs"] and again["free"] == [12, 12]
+    assert on["stats"]["disk_kv_blocks_written"] > 0 and again["stats"]["kv_offload_disk_hit_tokens"] > 0
+    assert again["stats"]["disk_kv_corrupt"] == 0
 
 
 def _mixed_workload(engine, seed=0):

@@ -61,10 +61,14 @@ def test_attach_refuses_sliding_window_release_and_is_none_when_off():
     from pagedjax.worker.kv_tiers import attach_kv_tiers
 
     runner = SimpleNamespace(kv=_random_pool(jnp.float32), num_layers=L, kv_tiers=None, dp=1)
-    sched = SimpleNamespace(window=None, pool=BlockPool(NB, BS), offload=None)
+    from pagedjax.core.sched.prefix_cache import PrefixCache
+
+    pool = BlockPool(NB, BS)
+    sched = SimpleNamespace(window=None, pool=pool, prefix=PrefixCache(pool), offload=None)
     assert attach_kv_tiers(None, runner, [sched]) is None and runner.kv_tiers is None and sched.pool.evicted is None
     with pytest.raises(ValueError, match="sliding-window"):
         attach_kv_tiers(0.01, runner, [SimpleNamespace(window=object(), pool=sched.pool)])
     copier = attach_kv_tiers(0.01, runner, [sched])
     assert runner.kv_tiers is copier and sched.offload is not None and sched.pool.evicted == []
+    assert sched.prefix.written is None and copier.disk is None  # no disk tier: nothing recorded for it
     assert copier.host.spec.block_bytes == 2 * HKV * L * BS * D * 4

@@ -24,6 +24,8 @@ class SchedulerOutput:
     # evicted prefix blocks (device block, key) copied to the host, and host hits (key, device block) copied in
     saves: list[tuple[int, bytes]] = field(default_factory=list)
     loads: list[tuple[bytes, int]] = field(default_factory=list)
+    # the disk KV tier: full blocks computed by earlier steps (device block, key), written through to disk
+    writes: list[tuple[int, bytes]] = field(default_factory=list)
 
     def num_drafts(self, i: int) -> int:
         return len(self.drafts[i]) if self.drafts else 0

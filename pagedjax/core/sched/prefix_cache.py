@@ -20,6 +20,9 @@ class PrefixCache:
         self.block_size = pool.block_size
         self.inflight: dict[bytes, Request] = {}  # key of a full block being computed -> the request computing it
         self.inflight_keys: dict[Request, list[bytes]] = {}  # request -> its keys in inflight
+        # the disk KV tier's write-through (KVOffloadPolicy; None when off): (block, key) of each
+        # full block cache_full_blocks completes, drained by the policy every schedule
+        self.written: list[tuple[int, bytes]] | None = None
 
     def match(self, req: Request) -> tuple[list[int], bytes | None]:
         """Cached blocks covering req's leading full blocks (at least one token left to
@@ -80,5 +83,7 @@ class PrefixCache:
             h = block_key(req, i, req.block_hashes[-1] if req.block_hashes else None, chunk)
             req.block_hashes.append(h)
             self.pool.cache_block(req.block_ids[i], h, chunk)
+            if self.written is not None:
+                self.written.append((req.block_ids[i], h))
             if self.inflight.get(h) is req:  # waiters hit it from now on
                 del self.inflight[h]

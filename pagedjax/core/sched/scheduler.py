@@ -93,6 +93,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.prefix.release(req)
+        if self.offload is not None:  # its swapped-out blocks, if any
+            self.offload.forget(req)
         self.pool.free(req.held_block_ids[::-1])
         req.block_ids, req.num_released_blocks = [], 0
         req.status = RequestStatus.FINISHED
@@ -103,6 +105,8 @@ class Scheduler:
         """hold: running requests to leave out of this step (async scheduling: they finish
         once the step in flight is read back)."""
         self._copies, self._loads = [], []
+        if self.offload is not None:
+            self.offload.begin()
         if self.window is not None:
             for req in self.running:
                 self.window.release(req, self.pool)
@@ -123,7 +127,7 @@ class Scheduler:
                                   [1 + len(d) for d in drafts] + q_lens, len(decode), self._copies,
                                   drafts + [[]] * len(reqs))
         if self.offload is not None:  # evicted blocks saved, then host hits loaded, before the step
-            out.saves, out.loads = self.offload.take_saves(), self._loads
+            out.saves, out.loads, out.writes = self.offload.take_saves(), self._loads, self.offload.take_writes()
         return out
 
     def _release_tail(self, req: Request, end: int) -> None:
@@ -177,13 +181,18 @@ class Scheduler:
             fits = seats + 1 + req.reserved_seats <= max_seqs  # room for it and the sequences it will fork
             if fits:
                 hits, next_key = self.prefix.match(req)
-                if next_key is not None and self.prefix.in_flight(next_key, req):
+                # a swapped-out preempted request: its blocks on the host after the device hits
+                resume = self.offload.resume(req, len(hits)) if self.offload is not None else None
+                if resume == "wait" or (resume is None and next_key is not None
+                                        and self.prefix.in_flight(next_key, req)):
                     skipped.append(self.waiting.popleft())
                     continue
-                # the host tier's blocks after the device hits
-                host = self.offload.match(req, len(hits), next_key) \
-                    if self.offload is not None and next_key is not None else []
-                start = (len(hits) + len(host)) * self.block_size
+                if resume is not None:
+                    host, start = resume
+                else:  # the host and disk tiers' blocks after the device hits
+                    host = self.offload.match(req, len(hits), next_key) \
+                        if self.offload is not None and next_key is not None else []
+                    start = (len(hits) + len(host)) * self.block_size
                 # sliding-window models: hits no query of req will read are not taken (stay released)
                 skip = min(self.window.num_outside(start), len(hits)) if self.window is not None else 0
                 q = min(req.num_tokens - start, budget)
@@ -200,7 +209,7 @@ class Scheduler:
                 self.pool.take(b)
             req.block_ids, req.num_released_blocks = hits + self.pool.allocate(need), skip
             req.block_hashes = req.block_hashes[:len(hits)]
-            if host:  # their fresh blocks are loaded before the step and cached from now on
+            if host or resume is not None:  # their fresh blocks are loaded before the step
                 self.offload.admit(req, len(hits), host, self._loads)
             req.num_computed_tokens = start
             req.num_shared_kv_tokens = 0
@@ -292,13 +301,16 @@ class Scheduler:
         self.num_forks += 1
 
     def _preempt(self, req: Request) -> None:
-        """Frees a running request's blocks; it is recomputed later (its prefix may be cached)."""
+        """Frees a running request's blocks; it is recomputed later (its prefix may be cached),
+        or, swapped out to the host tier where it has room, loaded back."""
         self.running.remove(req)
         self.prefix.release(req)
+        swapped = self.offload is not None and self.offload.swap_out(req)  # gathered before the step
         self.pool.free(req.held_block_ids[::-1])
         req.block_ids, req.num_released_blocks = [], 0
         req.draft_token_ids = []
-        req.num_computed_tokens = 0
+        if not swapped:
+            req.num_computed_tokens = 0
         req.num_shared_kv_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)

@@ -34,6 +34,19 @@ _COUNTER_STATS = {
     "kv_offload_bytes_saved": "Bytes copied device -> host by the host KV tier (--kv-offload-gb).",
     "kv_offload_bytes_loaded": "Bytes copied host -> device by the host KV tier (--kv-offload-gb).",
     "kv_offload_copy_seconds": "Host seconds spent on the host KV tier's copies (--kv-offload-gb).",
+    "kv_offload_swapped_out_blocks": "KV blocks of preempted requests copied to the host tier (--kv-offload-gb).",
+    "kv_offload_swapped_in_blocks": "KV blocks of resumed requests copied back from the host tier (--kv-offload-gb).",
+    "kv_offload_swap_fallbacks": "Preemptions recomputed because the host tier had no room (--kv-offload-gb).",
+    "kv_offload_disk_hit_tokens": "Prompt tokens found in the disk KV tier (--kv-offload-dir).",
+    "kv_offload_written_blocks": "KV blocks planned for writing through to the disk tier (--kv-offload-dir).",
+    "disk_kv_blocks_written": "KV block files written by the disk tier (--kv-offload-dir).",
+    "disk_kv_blocks_read": "KV block files read back by the disk tier (--kv-offload-dir).",
+    "disk_kv_corrupt": "Corrupt or truncated disk KV block files ignored and removed (--kv-offload-dir).",
+    "disk_kv_dropped_writes": "Disk KV block writes dropped because the writer's queue was full (--kv-offload-dir).",
+    "disk_kv_evicted": "Disk KV block files removed to keep the size bound (--kv-offload-dir).",
+    "disk_kv_bytes_written": "Bytes written by the disk KV tier (--kv-offload-dir).",
+    "disk_kv_bytes_read": "Bytes read by the disk KV tier (--kv-offload-dir).",
+    "disk_kv_read_seconds": "Seconds the engine thread spent reading disk KV blocks (--kv-offload-dir).",
 }
 _GAUGE_HELP = {
     "kv_blocks_total": "KV-cache blocks in the pool.",
@@ -51,6 +64,8 @@ _GAUGE_HELP = {
     "lora_adapters_known": "LoRA adapters requests may name.",
     "host_kv_blocks_total": "Blocks the host KV tier holds at most (--kv-offload-gb).",
     "host_kv_blocks_used": "Blocks stored in the host KV tier now (--kv-offload-gb).",
+    "disk_kv_blocks": "Block files in the disk KV tier's folder now (--kv-offload-dir).",
+    "disk_kv_bytes": "Bytes of block files in the disk KV tier's folder now (--kv-offload-dir).",
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
