@@ -13,6 +13,7 @@ tokens for both backends (4 dense slots), max_num_seqs 32, the embedded SmolLM2-
     python scripts/compare_kv_cache.py                     # same as: pagedjax bench compare
     python scripts/compare_kv_cache.py --tiny              # random tiny Llama, seconds
     python scripts/compare_kv_cache.py --shared-prefix-len 256 --kv-budget-mib 512 --model DIR
+    python scripts/compare_kv_cache.py --tiny --kv-offload-gb 1 --kv-offload-dir /tmp/kv  # KV tiers on the paged run
 """
 import sys
 

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "compute-bound well before that)")
     k.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the model's matrices (auto: as `pagedjax generate --dtype auto`)")
+    t = p.add_argument_group("KV tiers of the paged run (off by default; docs/design/kv_tiers.md)")
+    t.add_argument("--kv-offload-gb", type=float, default=None, help="host-memory KV tier in GiB")
+    t.add_argument("--kv-offload-dir", default=None, help="disk KV tier: a folder for full prefix blocks")
+    t.add_argument("--kv-offload-disk-gb", type=float, default=None, help="size bound of --kv-offload-dir in GiB")
     p.add_argument("--out", default="results/compare_kv_cache", help="directory for JSON, markdown and PNGs")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -84,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
                 budget = int(args.kv_budget_mib * 2**20) // kv_bytes_per_token(model, args.dtype)
             budget = budget if budget is not None else 9000
             report = compare(model, workload, budget, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                             dtype=args.dtype, progress=not args.quiet, int8_kv=args.int8_kv)
+                             dtype=args.dtype, progress=not args.quiet, int8_kv=args.int8_kv,
+                             kv_offload_gb=args.kv_offload_gb, kv_offload_dir=args.kv_offload_dir,
+                             kv_offload_disk_gb=args.kv_offload_disk_gb)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

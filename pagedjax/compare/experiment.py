@@ -25,6 +25,7 @@ import numpy as np
 
 from pagedjax.worker import compile_counter
 from pagedjax.core.kv_memory import block_map
+from pagedjax.compare.tiers import tier_counters, tier_engine_kwargs, tier_sample, tier_table_rows
 from pagedjax.sampling_params import SamplingParams
 
 BACKENDS = ("dense", "paged")
@@ -112,7 +113,7 @@ class BackendRun:
         self.first: dict[str, float] = {}
         self.finish: dict[str, float] = {}
         self.done: dict[str, object] = {}
-        self.peak = self.peak_map = None
+        self.peak = self.peak_map = self.peak_tiers = None
         self.progress, self.bar = progress, None
         t = time.perf_counter()
         for i, (prompt, params) in enumerate(self.requests):
@@ -147,12 +148,15 @@ class BackendRun:
         if self.peak is None or mem.reserved > self.peak["reserved"]:
             self.peak = self.timeline[-1]
             self.peak_map = block_map(self.engine.pool, self.engine.scheduler.running)
+            self.peak_tiers = tier_sample(self.engine)  # None: no KV tier
 
     def result(self) -> dict:
         """Metrics, timeline, the block map at the fullest moment, and every output's token ids."""
         if self.bar is not None:
             self.bar.close()
         engine, timeline, n = self.engine, self.timeline, len(self.requests)
+        if self.peak_tiers is not None:
+            engine.close_kv_tiers()  # the disk tier's pending writes land: its counters are final
         stats = engine.stats()
         latency = np.array([self.finish[str(i)] for i in range(n)])
         ttft = np.array([self.first[str(i)] for i in range(n)])
@@ -192,6 +196,9 @@ class BackendRun:
             "compilations_during_run": self.compilations,
             "timeline": timeline,
             "block_map_at_peak": self.peak_map,
+            # the KV tiers (kv_offload_gb / kv_offload_dir), only when on: occupancy at the peak, counters at the end
+            **({"kv_tiers_at_peak": self.peak_tiers, "kv_tiers": tier_counters(engine)}
+               if self.peak_tiers is not None else {}),
             "outputs": [[list(c.token_ids) for c in self.done[str(i)].outputs] for i in range(n)],
         }
 
@@ -207,19 +214,26 @@ class BackendRun:
 
 def compare(model: str | None = None, workload: Workload | None = None, budget_tokens: int = 9000, *,
             block_size: int = 16, max_num_seqs: int = 32, dtype: str = "auto", progress: bool = False,
-            int8_kv: bool = True, log=print) -> dict:
+            int8_kv: bool = True, kv_offload_gb: float | None = None, kv_offload_dir: str | None = None,
+            kv_offload_disk_gb: float | None = None, log=print) -> dict:
     """Runs the workload on both backends with the same KV budget; returns the report.
     int8_kv: a third run, paged with kv_cache_dtype="int8" in the same bytes (its outputs
     are not expected to equal the others': 8-bit K/V change the logits slightly).
+    kv_offload_gb / kv_offload_dir / kv_offload_disk_gb: the KV tiers (host memory, disk) for
+    the paged run (not the dense one, nor the int8 one); off (None) by default. The report's
+    paged run then has `kv_tiers` (the tiers' counters, the device pool's beside them) and
+    `kv_tiers_at_peak` (their occupancy when the pool was fullest).
 
     The two runs are interleaved step by step, each timed on its own clock, so load from
     other processes on a shared machine falls on both alike."""
     workload = workload or Workload()
+    tiers = tier_engine_kwargs(kv_offload_gb, kv_offload_dir, kv_offload_disk_gb)
     runs = {}
     for kind in (*BACKENDS, INT8_KV) if int8_kv else BACKENDS:
         log(f"[{kind}] building the engine and compiling the step shapes the workload needs ...")
         runs[kind] = BackendRun(kind, model, workload, budget_tokens, block_size=block_size,
-                                max_num_seqs=max_num_seqs, dtype=dtype, progress=progress)
+                                max_num_seqs=max_num_seqs, dtype=dtype, progress=progress,
+                                engine_kwargs=tiers if kind == "paged" else None)
     log(f"running {workload.num_requests} requests on both backends, interleaved step by step ...")
     while not all(r.finished for r in runs.values()):
         for r in runs.values():
@@ -236,7 +250,7 @@ def compare(model: str | None = None, workload: Workload | None = None, budget_t
         "workload": asdict(workload),
         "kv_budget_tokens": budget_tokens,
         "kv_budget_bytes": paged["budget_bytes"],
-        "block_size": block_size, "max_num_seqs": max_num_seqs,
+        "block_size": block_size, "max_num_seqs": max_num_seqs, "kv_tier_options": tiers,
         "identical_outputs": f"{same}/{len(paged['outputs'])}",
         "all_outputs_identical": same == len(paged["outputs"]),
         "ratios": {
@@ -287,6 +301,7 @@ def markdown_table(report: dict) -> str:
         ratio = lambda r: f"{r[key] / d[key]:.2f}x" if key in ratio_keys and d[key] else ""  # noqa: E731
         line = f"| {label} | {fmt.format(d[key])} | {fmt.format(p[key])} | {ratio(p)} |"
         lines.append(line + (f" {fmt.format(q[key])} | {ratio(q)} |" if q else ""))
+    lines += tier_table_rows(report, q is not None)
     lines.append(f"| identical greedy outputs | {report['identical_outputs']} | | |" + (" | |" if q else ""))
     w = report["workload"]
     shared = f" after a shared prefix of {w['shared_prefix_len']}" if w["shared_prefix_len"] else ""
@@ -294,6 +309,10 @@ def markdown_table(report: dict) -> str:
               f"both; {w['num_requests']} requests (n={w['n']}), prompts of {w['prompt_len'][0]}-{w['prompt_len'][1]} "
               f"tokens{shared}, outputs of {w['output_len'][0]}-{w['output_len'][1]} tokens, max_model_len "
               f"{w['max_model_len']}; model {report['model']}."]
+    if report.get("kv_tier_options"):  # absent in reports written before the tiers
+        options = ", ".join(f"{k}={v}" for k, v in report["kv_tier_options"].items())
+        lines.append(f"KV tiers on the paged run only: {options}"
+                     + " (the paged column's tier rows; counters at the end of the run).")
     return "\n".join(lines) + "\n"
 
 

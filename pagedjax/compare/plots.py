@@ -63,7 +63,8 @@ def plot_block_map(report: dict, path: Path, columns: int = 32) -> Path:
     paged, dense = report["paged"], report["dense"]
     blocks = paged["block_map_at_peak"]
     rows = -(-len(blocks) // columns)
-    fig, (ax, axd) = plt.subplots(1, 2, figsize=(14, max(4.5, 0.28 * rows + 1.5)),
+    extra = 0.8 if paged.get("kv_tiers_at_peak") else 0  # inches for the KV tier rows under the map
+    fig, (ax, axd) = plt.subplots(1, 2, figsize=(14, max(4.5, 0.28 * rows + 1.5) + extra),
                                   gridspec_kw={"width_ratios": [1.15, 1]})
     colors = _colors([o for b in blocks for o in b["owners"]])
     bs = paged["block_size"]
@@ -78,8 +79,9 @@ def plot_block_map(report: dict, path: Path, columns: int = 32) -> Path:
                                    lw=0.6 if shared else 0))
         elif b["cached"]:
             ax.add_patch(Rectangle((x, y), 0.94, 0.94, facecolor="#dee2e6", hatch="..", edgecolor="#adb5bd", lw=0))
+    tier_rows = _draw_tier_rows(ax, paged, columns)  # 0 when the paged run had no KV tier
     ax.set_xlim(-0.2, columns + 0.2)
-    ax.set_ylim(-0.2, rows + 0.2)
+    ax.set_ylim(-0.2 - tier_rows, rows + 0.2)
     ax.set_aspect("equal")
     ax.axis("off")
     pk = paged["at_peak"]
@@ -131,3 +133,37 @@ def plot_block_map(report: dict, path: Path, columns: int = 32) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+HOST_TIER, DISK_TIER = "#1971c2", "#6741d9"
+
+
+def _draw_tier_rows(ax, paged: dict, columns: int) -> float:
+    """Two labelled rows under the paged block map when the run had KV tiers: the host tier's
+    occupancy at the same moment (used / total blocks) and the disk tier's blocks (of its size
+    bound), each a bar of the map's width filled in proportion, with the run's counters.
+    Returns the height they take (0: no tier, nothing drawn)."""
+    at, end = paged.get("kv_tiers_at_peak"), paged.get("kv_tiers") or {}
+    if not at:
+        return 0.0
+    host = (f"host tier: {at['host_blocks_used']} / {at['host_blocks_total']} blocks used now; over the run "
+            f"{end.get('kv_offload_saved_blocks', 0)} saved, {end.get('kv_offload_loaded_blocks', 0)} loaded back, "
+            f"{end.get('kv_offload_host_hit_tokens', 0)} hit tokens") if at["host"] else "host tier: off"
+    total = at["host_blocks_total"]
+    rows = [("host tier", at["host_blocks_used"] / total if total else 0.0, HOST_TIER, host)]
+    if at["disk"]:
+        frac = at["disk_bytes"] / at["disk_max_bytes"] if at["disk_max_bytes"] else 0.0
+        rows.append(("disk tier", frac, DISK_TIER,
+                     f"disk tier: {at['disk_blocks']} blocks ({at['disk_bytes'] / 2**10:.0f} KiB of a "
+                     f"{at['disk_max_bytes'] / 2**20:.0f} MiB bound); at the end "
+                     f"{end.get('disk_kv_blocks', 0)} blocks, "
+                     f"{end.get('kv_offload_disk_hit_tokens', 0)} hit tokens"))
+    else:
+        rows.append(("disk tier", 0.0, DISK_TIER, "disk tier: off"))
+    for i, (_, frac, color, text) in enumerate(rows):
+        y = -1.1 - 1.1 * i
+        ax.add_patch(Rectangle((0, y), columns - 0.06, 0.8, facecolor=FREE, edgecolor="#868e96", lw=0.5))
+        ax.add_patch(Rectangle((0, y), (columns - 0.06) * min(frac, 1.0), 0.8, facecolor=color, alpha=0.55,
+                               edgecolor="none"))
+        ax.text(0.3, y + 0.4, text, va="center", fontsize=7)
+    return 2.4

@@ -141,3 +141,58 @@ def test_compare_end_to_end_through_the_cli(tmp_path, capsys):
     assert "paged + int8 KV" in (tmp_path / "compare.md").read_text()
     for name in ("kv_utilization.png", "kv_block_map.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # no KV tier asked for: no tier keys, no tier rows (the report as before the tiers)
+    assert not any(k.startswith("kv_tiers") for run in (dense, paged, int8) for k in run)
+    assert not report["kv_tier_options"] and "host tier" not in (tmp_path / "compare.md").read_text()
+
+
+def _png_height(path) -> int:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[20:24], "big")  # the IHDR chunk: width, height
+
+
+def test_compare_with_kv_tiers_records_their_counters_and_draws_them(tmp_path, capsys):
+    """`--kv-offload-gb` / `--kv-offload-dir` on the paged run: the report has the tiers'
+    counters next to the device pool's, the table their rows, the block map two tier rows."""
+    from pagedjax.compare.plots import plot_block_map
+    from pagedjax.entrypoints.cli import main
+
+    disk = tmp_path / "kv_disk"
+    argv = ["bench", "compare", "--tiny", "--num-requests", "8", "--prompt-len", "4", "30", "--output-len", "6", "16",
+            "--max-model-len", str(MAX_LEN), "--shared-prefix-len", "16", "--kv-budget-tokens", str(BUDGET),
+            "--block-size", "8", "--max-num-seqs", "8", "--out", str(tmp_path), "--quiet", "--no-int8-kv",
+            "--kv-offload-gb", "0.001", "--kv-offload-dir", str(disk), "--kv-offload-disk-gb", "0.01"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| identical greedy outputs | 8/8 |" in out  # the tiers change no token
+    assert "| host tier: blocks used / total (end) | - |" in out and "| disk-tier hit tokens | - |" in out
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert report["kv_tier_options"] == {"kv_offload_gb": 0.001, "kv_offload_dir": str(disk),
+                                         "kv_offload_disk_gb": 0.01}
+    dense, paged = report["dense"], report["paged"]
+    assert "kv_tiers" not in dense and "kv_tiers_at_peak" not in dense  # the tiers are the paged run's
+    tiers, at_peak = paged["kv_tiers"], paged["kv_tiers_at_peak"]
+    for key in ("device_kv_blocks_total", "device_kv_blocks_cached", "device_prefix_cache_hit_tokens",
+                "host_kv_blocks_used", "host_kv_blocks_total", "disk_kv_blocks", "kv_offload_saved_blocks",
+                "kv_offload_loaded_blocks", "kv_offload_host_hit_tokens", "kv_offload_disk_hit_tokens"):
+        assert key in tiers, key
+    assert tiers["device_kv_blocks_total"] == paged["num_blocks"] == 42
+    assert tiers["host_kv_blocks_total"] == at_peak["host_blocks_total"] > 0
+    assert 0 <= tiers["host_kv_blocks_used"] <= tiers["host_kv_blocks_total"]
+    # every full block computed is written through to disk; the pending writes landed before the counters
+    assert tiers["disk_kv_blocks"] == tiers["kv_offload_written_blocks"] > 0 and tiers["disk_kv_pending_writes"] == 0
+    assert len(list(disk.rglob("*"))) >= tiers["disk_kv_blocks"]
+    assert at_peak["disk"] and at_peak["host"] and at_peak["disk_max_bytes"] == int(0.01 * 2**30)
+    assert tiers["device_prefix_cache_hit_tokens"] == paged["prefix_cache_hit_tokens"]
+    # the picture: the same report without its tiers draws no tier rows (a shorter figure)
+    with_tiers = _png_height(tmp_path / "kv_block_map.png")
+    plain = {**report, "paged": {k: v for k, v in paged.items() if not k.startswith("kv_tiers")}}
+    assert _png_height(plot_block_map(plain, tmp_path / "plain.png")) < with_tiers
+
+
+def test_compare_rejects_a_disk_bound_without_a_folder(capsys):
+    from pagedjax.compare.cli import main
+
+    assert main(["--tiny", "--num-requests", "1", "--kv-offload-disk-gb", "1", "--quiet"]) == 2
+    assert "kv_offload_disk_gb bounds the disk tier" in capsys.readouterr().err
