@@ -88,10 +88,12 @@ class KVOffloadPolicy:
             keys.append(key)
         return keys
 
-    def admit(self, req: Request, num_hits: int, keys: list, loads: list[tuple[bytes, int]]) -> None:
+    def admit(self, req: Request, num_hits: int, keys: list, loads: list[tuple[bytes, int]], skip: int = 0) -> None:
         """req was admitted with `keys` loaded from the host into its blocks after its
         `num_hits` device hits (already allocated): registers them in the prefix cache and
-        in req's block hashes, and appends (key, device block) to `loads`. A resumed swapped
+        in req's block hashes, and appends (key, device block) to `loads`. skip: req's leading
+        blocks outside its sliding window (released): those keys only go in its block hashes
+        (neither loaded nor cached; they count as hit tokens, not recomputed). A resumed swapped
         request (keys from `resume`): its swap keys are loaded (those its hits cover dropped),
         its blocks are cached by the prefix cache after its next step."""
         if req in self.swapped:
@@ -104,12 +106,14 @@ class KVOffloadPolicy:
         bs, ids = self.block_size, req.all_token_ids
         for j, key in enumerate(keys):
             i = num_hits + j
+            if i < skip:
+                continue
             block = req.block_ids[i]
             self.pool.cache_block(block, key, tuple(ids[i * bs:(i + 1) * bs]))
             loads.append((key, block))
         req.block_hashes = req.block_hashes[:num_hits] + keys
         disk = sum(key in self._from_disk for key in keys)
-        self.num_loaded_blocks += len(keys)
+        self.num_loaded_blocks += len(keys) - max(0, min(skip - num_hits, len(keys)))
         self.host_hit_tokens += (len(keys) - disk) * bs
         self.disk_hit_tokens += disk * bs
 

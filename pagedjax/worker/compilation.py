@@ -139,6 +139,8 @@ class CompiledSteps:
         self._compile_load_slot()
         self._compile_copy_blocks()
         self._compile_lora_write()
+        if self.kv_tiers is not None:  # the KV tiers' gathers and scatters (worker/kv_tiers.py)
+            self.kv_tiers.compile_shapes(self.kv)
         ladder = self.buckets.token_buckets()
         ladder = [t for t in ladder if t >= MIN_TOKENS] + [t for t in ladder if t < MIN_TOKENS]
         return [(self.prime_bucket, t) for t in ladder] + [(self.prompt_executable, t) for t in ladder]

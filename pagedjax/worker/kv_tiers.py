@@ -5,7 +5,8 @@ Each step's SchedulerOutput names the blocks to move (core/kv_offload.py decides
 `saves` (device block, key): prefix blocks the device pool evicted, gathered before the step
 that rewrites them; `loads` (key, device block): host hits, scattered in before the step that
 reads them. One jitted gather and one jitted, donated scatter per step at most, over every
-layer at once, their block counts padded to powers of two so the compiled shapes stay few.
+layer at once, their block counts padded to powers of two so the compiled shapes stay few
+(the warm-up compiles them all: `compile_shapes`).
 A gather's result starts its copy to the host at once and is stored in the HostKVPool at the
 next step's dispatch (the device has run it by then); until then its keys count as missing.
 
@@ -258,6 +259,26 @@ class KVTierCopier:
         self.num_writes += len(writes)
         return compiled
 
+    def compile_shapes(self, kv) -> None:
+        """Compiles (ahead of time, nothing run) the gather and the scatter for every padded
+        batch a step can move: loads up to a pool's blocks, saves and writes up to three (an
+        eviction, a swap and a write-through may name the same block), per rank; the warm-up's."""
+        _, leaves = pool_leaves(kv)
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+        total = self.num_blocks * self.num_ranks
+        for kind, top in (("gather", padded(3 * total)), ("scatter", padded(total))):
+            n = 1
+            while n <= top:
+                if self._compiling(kind, n):
+                    blocks = jax.ShapeDtypeStruct((n,), np.int32)
+                    if kind == "gather":
+                        self._gather.lower(specs, blocks).compile()
+                    else:
+                        values = [jax.ShapeDtypeStruct((n, *self._fields[name][0]), self._fields[name][1])
+                                  for name in self.names]
+                        self._scatter.lower(specs, blocks, values).compile()
+                n *= 2
+
     def _compiling(self, kind: str, n: int) -> bool:
         new = (kind, n) not in self._shapes
         self._shapes.add((kind, n))
@@ -354,9 +375,6 @@ def attach_kv_tiers(cfg, runner, schedulers, model_dir=None, weights=None) -> KV
     name = "kv_offload_gb" if kv_offload_gb is not None else "kv_offload_dir"
     if is_multiprocess():
         raise ValueError(f"{name} is not supported across processes yet (each would hold only its own shards)")
-    if any(s.window is not None for s in schedulers):
-        raise ValueError(f"{name} is not supported with sliding-window block release yet; "
-                         "add --keep-window-blocks (release_window_blocks=False)")
     disk = None
     if folder is not None:
         if weights is not None:

@@ -147,3 +147,33 @@ def test_swap_falls_back_to_recompute_without_room():
     assert s.num_preemptions == 1 and s.offload.num_swap_fallbacks == 1
     assert not any(isinstance(k, int) for o in outs for _, k in o.saves) and not flushed
     assert s.offload.num_swapped_out_blocks == 0 and not s.offload.swapped
+
+
+def test_sliding_window_loads_only_the_blocks_its_window_reads():
+    """Window release on (window 8, blocks of 4): a prompt of 6 host blocks + 1 token starts at
+    24, where the window reads blocks 4 and 5 only: blocks 0-3 are neither loaded nor held (their
+    keys stay in the request's chain), the pool gets every block back."""
+    from pagedjax.core.sched.window import WindowBlockRelease
+
+    s, host = make(num_blocks=8)
+    s.window = WindowBlockRelease(8, BS)
+    doc = list(range(100, 124))  # 6 full blocks
+    drain(s, host, req("a", doc + [1]))
+    keys_a = list(s.pool._block_of)  # the doc's 6 blocks: released on the way, still cached
+    assert len(keys_a) == 6
+    host.keys = set(keys_a)  # as if saved
+    drain(s, host, req("b", list(range(200, 224)) + [2]))  # evicts a's blocks
+    assert not any(key in s.pool._block_of for key in keys_a[4:])  # blocks 4 and 5 left the device
+    c = req("c", doc + [3])
+    s.add(c)
+    first = s.schedule()
+    assert first.starts == [24] and first.q_lens == [1]
+    assert [key for key, _ in first.loads] == keys_a[4:]  # 2 loads, not 6
+    assert c.num_released_blocks == s.window.num_outside(24) == 4 and len(c.block_ids) == 7
+    assert c.block_hashes == keys_a and len(c.held_block_ids) == 3
+    assert s.offload.num_loaded_blocks == 2 and s.offload.host_hit_tokens + s.prefix_cache_hit_tokens >= 24
+    for r, _, t in s.update(first, [[7]]):
+        r.output_token_ids += t
+        s.check_stop(r, t[-1])
+    s.pool.check_invariants()
+    assert s.pool.num_free == 8

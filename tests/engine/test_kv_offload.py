@@ -199,3 +199,21 @@ def test_concurrent_requests_preemption_forks_and_prompt_logprobs(tiny_checkpoin
     assert engine.pool.num_free == NUM_BLOCKS
     engine.pool.check_invariants()
     engine.kv_tiers.host.check_invariants()
+
+
+def test_warmup_compiles_the_tier_copies(tiny_checkpoints):
+    """After the warm-up, a run with evictions, saves and loads compiles nothing: the gathers and
+    scatters of every padded batch size were compiled ahead (their scatter moved no real block)."""
+    path, _ = tiny_checkpoints("llama")
+    engine = _engine(path, kv_offload_gb=0.01, async_scheduling=True)
+    engine.warmup(progress=False)
+    assert {("gather", 1), ("scatter", 1), ("scatter", 32), ("gather", 128)} <= engine.kv_tiers._shapes
+    before = engine.stats()["num_compilations"]
+    outs = _workload(engine, seed=2)
+    s = engine.stats()
+    assert s["kv_offload_loaded_blocks"] > 0 and s["kv_offload_saved_blocks"] > 0
+    assert s["num_compilations"] == before
+    engine.pool.check_invariants()
+    assert engine.pool.num_free == NUM_BLOCKS
+    base = _engine(path, async_scheduling=True)
+    assert _workload(base, seed=2) == outs  # the warm-up's scatters changed no block

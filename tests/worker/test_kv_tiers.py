@@ -54,7 +54,7 @@ def test_gather_scatter_roundtrip(dtype):
         np.testing.assert_array_equal(x[:, rows], y[:, rows])
 
 
-def test_attach_refuses_sliding_window_release_and_is_none_when_off():
+def test_attach_is_none_when_off_and_attaches_a_policy_per_scheduler():
     from types import SimpleNamespace
 
     from pagedjax.core.block_pool import BlockPool
@@ -66,8 +66,6 @@ def test_attach_refuses_sliding_window_release_and_is_none_when_off():
     pool = BlockPool(NB, BS)
     sched = SimpleNamespace(window=None, pool=pool, prefix=PrefixCache(pool), offload=None)
     assert attach_kv_tiers(None, runner, [sched]) is None and runner.kv_tiers is None and sched.pool.evicted is None
-    with pytest.raises(ValueError, match="sliding-window"):
-        attach_kv_tiers(0.01, runner, [SimpleNamespace(window=object(), pool=sched.pool)])
     copier = attach_kv_tiers(0.01, runner, [sched])
     assert runner.kv_tiers is copier and sched.offload is not None and sched.pool.evicted == []
     assert sched.prefix.written is None and copier.disk is None  # no disk tier: nothing recorded for it

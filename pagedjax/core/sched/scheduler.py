@@ -193,10 +193,12 @@ class Scheduler:
                     host = self.offload.match(req, len(hits), next_key) \
                         if self.offload is not None and next_key is not None else []
                     start = (len(hits) + len(host)) * self.block_size
-                # sliding-window models: hits no query of req will read are not taken (stay released)
-                skip = min(self.window.num_outside(start), len(hits)) if self.window is not None else 0
+                # sliding-window models: hits (device, host, disk; a swap's are all loaded) no query of
+                # req will read are not taken (stay released) or loaded
+                skip = min(self.window.num_outside(start), len(hits) + (len(host) if resume is None else 0)) \
+                    if self.window is not None else 0
                 q = min(req.num_tokens - start, budget)
-                need = cdiv(start + q, self.block_size) - len(hits)
+                need = cdiv(start + q, self.block_size) - max(len(hits), skip)
                 fits = need <= self.pool.num_free - sum(self.pool.ref_counts[b] == 0 for b in hits[skip:])
                 fits = fits and (self.lora is None or self.lora.admit(req))
             if not fits:
@@ -207,10 +209,11 @@ class Scheduler:
                 continue
             for b in hits[skip:]:
                 self.pool.take(b)
-            req.block_ids, req.num_released_blocks = hits + self.pool.allocate(need), skip
+            fresh = self.pool.allocate(need)  # host blocks outside the window: stale entries (never read)
+            req.block_ids, req.num_released_blocks = hits + fresh[:1] * max(0, skip - len(hits)) + fresh, skip
             req.block_hashes = req.block_hashes[:len(hits)]
             if host or resume is not None:  # their fresh blocks are loaded before the step
-                self.offload.admit(req, len(hits), host, self._loads)
+                self.offload.admit(req, len(hits), host, self._loads, skip)
             req.num_computed_tokens = start
             req.num_shared_kv_tokens = 0
             if req.status is RequestStatus.WAITING:  # first admission (not a resumed preemption)
