@@ -32,6 +32,11 @@ def make(num_blocks=8):
 def drain(s, host, req):
     """Runs req to the end; every step's saves land in the host. -> the step outputs."""
     s.add(req)
+    return run_all(s, host)
+
+
+def run_all(s, host):
+    """Runs s's requests to the end; every step's saves land in the host. -> the step outputs."""
     outs = []
     while s.has_unfinished():
         out = s.schedule()
@@ -112,15 +117,7 @@ def _swap_setup(room: int):
     s.offload.flush, s.offload.drop_swaps = lambda: flushed.append(1), dropped.extend
     for i in range(2):  # 3 prompt blocks each, growing to 6: the second is preempted in decode
         s.add(req(f"r{i}", range(100 * i + 10, 100 * i + 22), max_tokens=12))
-    outs = []
-    while s.has_unfinished():
-        out = s.schedule()
-        host.keys.update(key for _, key in out.saves)
-        outs.append(out)
-        for r, _, t in s.update(out, [[7]] * len(out.requests)):
-            r.output_token_ids += t
-            s.check_stop(r, t[-1])
-    return s, outs, flushed, dropped
+    return s, run_all(s, host), flushed, dropped
 
 
 def test_swap_preemption_saves_pinned_and_resumes_from_the_host():
