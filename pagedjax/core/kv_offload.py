@@ -15,9 +15,9 @@ hands the policy (`in_host(key) -> bool`), so core/ never imports worker/.
   as computed tokens.
 - Disk (kv_offload_dir): every full block the prefix cache completes (`PrefixCache.written`)
   is written through (`take_writes`); the key chain goes on from the host tier to the disk
-  tier (`on_disk(key)`: the copier reads and verifies the file now, a corrupt one is a miss),
-  and disk hits load like host hits. Without a host tier (kv_offload_gb unset) nothing is
-  saved on eviction: the disk holds every computed block already.
+  tier (`on_disk(keys)`: the copier reads and verifies up to DISK_RUN files at once, now; a
+  corrupt one is a miss), and disk hits load like host hits. Without a host tier
+  (kv_offload_gb unset) nothing is saved on eviction: the disk holds every computed block.
 - Swap (a host tier): a preempted request's computed blocks go to the host under fresh int
   keys, pinned, when the host has room for all of them (`swap_out`), and are loaded back when
   it resumes instead of recomputed (`resume`, `admit`); no room: recompute, as without tiers.
@@ -32,14 +32,17 @@ from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.request import Request, RequestStatus
 from pagedjax.core.sched.prefix_cache import PrefixCache, block_key
 
+DISK_RUN = 64  # blocks a match asks the disk tier for at once (read in parallel)
+
 
 class KVOffloadPolicy:
     def __init__(self, pool: BlockPool, in_host: Callable[[bytes], bool] | None,
-                 prefix: PrefixCache | None = None, on_disk: Callable[[bytes], bool] | None = None):
+                 prefix: PrefixCache | None = None, on_disk: Callable[[list[bytes]], int] | None = None):
         """in_host(key): whether the host tier holds the block of this key now (a hit is
-        made most recently used there); None: no host tier. on_disk(key): whether the disk
-        tier has it (read and verified now, held for this step's load); None: no disk tier,
-        else `prefix` (the scheduler's PrefixCache) records the blocks to write through."""
+        made most recently used there); None: no host tier. on_disk(keys): how many of the
+        leading keys the disk tier has (read and verified now, held for this step's load);
+        None: no disk tier, else `prefix` (the scheduler's PrefixCache) records the blocks
+        to write through."""
         self.pool = pool
         self.block_size = pool.block_size
         self.in_host = in_host
@@ -75,17 +78,31 @@ class KVOffloadPolicy:
         device match's). The request's last token is never among them (it is computed)."""
         bs, ids = self.block_size, req.all_token_ids
         limit = min(req.num_tokens - 1, req.num_cacheable_tokens) // bs
+
+        def key_at(i: int, prev: bytes) -> bytes:
+            return req.block_hashes[i] if i < len(req.block_hashes) else \
+                block_key(req, i, prev, tuple(ids[i * bs:(i + 1) * bs]))
+
         keys: list[bytes] = []
-        key = next_key
-        for i in range(num_hits, limit):
-            if i > num_hits:
-                key = req.block_hashes[i] if i < len(req.block_hashes) else \
-                    block_key(req, i, key, tuple(ids[i * bs:(i + 1) * bs]))
-            if self.in_host is None or not self.in_host(key):
-                if self.on_disk is None or not self.on_disk(key):
+        i, key = num_hits, next_key
+        while i < limit:
+            if self.in_host is not None and self.in_host(key):
+                keys.append(key)
+                i += 1
+            elif self.on_disk is None:
+                break
+            else:  # up to DISK_RUN blocks from here read from disk together
+                run = [key]
+                while len(run) < DISK_RUN and i + len(run) < limit:
+                    run.append(key_at(i + len(run), run[-1]))
+                found = self.on_disk(run)
+                keys += run[:found]
+                self._from_disk.update(run[:found])
+                if found < len(run):
                     break
-                self._from_disk.add(key)
-            keys.append(key)
+                i += found
+            if i < limit:
+                key = key_at(i, keys[-1])
         return keys
 
     def admit(self, req: Request, num_hits: int, keys: list, loads: list[tuple[bytes, int]], skip: int = 0) -> None:

@@ -12,26 +12,30 @@ File layout (little-endian):
     header     header_len bytes of UTF-8 JSON: {"key": file stem, "arrays": [[name, shape,
                dtype], ...], "payload_bytes": N}
     payload    N bytes: the arrays' C-order bytes, in spec order
-    digest     16 bytes: blake2b(digest_size=16) over everything before it
+    checksum   u32      CRC-32 (zlib) of everything before it
 A file that is short, long, has another magic, version, key or array list, or fails the
-digest is corrupt: `decode` returns None and the store deletes it (recompute, never wrong KV).
+checksum is corrupt: `decode` returns None and the store deletes it (recompute, never wrong
+KV). CRC-32 catches torn writes, truncation and flipped bits (not a forger: the folder is
+the user's own); it runs at ~4 GB/s where blake2b, the format-1 digest, ran at 0.7 (a 2-core
+AMD EPYC, 360 KiB blocks: it was most of a disk hit's read time).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import struct
+import zlib
 from collections.abc import Mapping
 
 import numpy as np
 
 from pagedjax.worker.kv_block_spec import BlockKey, BlockSpec, as_dtype
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32 instead of a blake2b digest
 MAGIC = b"PJKVBLK\0"
 SUFFIX = ".kvb"
 _PREFIX = struct.Struct("<8sII")  # magic, version, header_len
-_DIGEST_BYTES = 16
+_CHECKSUM = struct.Struct("<I")
 
 
 def file_stem(key: BlockKey) -> str:
@@ -107,9 +111,7 @@ def encode_parts(key: BlockKey, spec: BlockSpec, payload: np.ndarray) -> list:
     header = json.dumps({"key": file_stem(key), "arrays": spec.describe(), "payload_bytes": int(payload.nbytes)},
                         separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header
-    digest = hashlib.blake2b(head, digest_size=_DIGEST_BYTES)
-    digest.update(payload)
-    return [head, payload, digest.digest()]
+    return [head, payload, _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(head)))]
 
 
 def file_size(key: BlockKey, spec: BlockSpec) -> int:
@@ -122,20 +124,20 @@ def decode(key: BlockKey, spec: BlockSpec, data: bytes) -> dict[str, np.ndarray]
     """A block file's arrays (read-only views of `data`), or None if the file is corrupt,
     truncated or not this key's block of this spec."""
     try:
-        if len(data) < _PREFIX.size + _DIGEST_BYTES:
+        if len(data) < _PREFIX.size + _CHECKSUM.size:
             return None
         magic, version, header_len = _PREFIX.unpack_from(data)
         if magic != MAGIC or version != FORMAT_VERSION:
             return None
         start = _PREFIX.size + header_len
-        if len(data) != start + spec.block_bytes + _DIGEST_BYTES:
+        if len(data) != start + spec.block_bytes + _CHECKSUM.size:
             return None
         header = json.loads(data[_PREFIX.size:start].decode())
         if (header.get("key") != file_stem(key) or header.get("arrays") != spec.describe()
                 or header.get("payload_bytes") != spec.block_bytes):
             return None
-        body = memoryview(data)[: len(data) - _DIGEST_BYTES]
-        if hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest() != data[len(data) - _DIGEST_BYTES:]:
+        end = len(data) - _CHECKSUM.size
+        if zlib.crc32(memoryview(data)[:end]) != _CHECKSUM.unpack_from(data, end)[0]:
             return None
         return unpack_payload(spec, data, start)
     except (ValueError, TypeError, KeyError, AttributeError, struct.error):

@@ -5,7 +5,8 @@ it is full the write is dropped and counted, the caller never waits for I/O). Th
 checksums, writes a temp file in the namespace folder, optionally fsyncs, and renames it into
 place (atomic: a reader sees the whole file or none). Blocks still queued are served from
 memory. `get` reads and verifies a file (`kv_disk_format`): a corrupt or truncated file is
-counted, deleted and reported as a miss. An in-memory index (key -> size, least recently used
+counted, deleted and reported as a miss; `read_run` reads a prompt's run of blocks on a few
+reader threads at once. An in-memory index (key -> size, least recently used
 first) is rebuilt from the folder at start (file mtimes, refreshed on each hit, keep the order
 across restarts) and bounds the folder to `max_bytes`, evicting the oldest files.
 
@@ -21,6 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from pagedjax.worker.kv_block_spec import BlockKey, BlockSpec, SpecInput, check_
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = fmt.FORMAT_VERSION
+_READ_CHUNK = 4  # read_run: blocks a reader thread takes at least (fewer: the caller reads them)
 _STALE_TEMP_SECONDS = 60.0  # a temp file this old is a crashed writer's (younger: maybe another process's)
 _COUNTERS = ("blocks_written", "blocks_read", "hits", "misses", "corrupt", "dropped_writes", "write_errors",
              "evicted", "bytes_written", "bytes_read", "write_seconds", "read_seconds")
@@ -41,7 +44,8 @@ class DiskKVStore:
     at most `max_bytes` of block files per namespace."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, key_fields: Mapping,
-                 block_spec: SpecInput | BlockSpec, *, max_pending_writes: int = 64, fsync: bool = False):
+                 block_spec: SpecInput | BlockSpec, *, max_pending_writes: int = 64, fsync: bool = False,
+                 read_threads: int | None = None):
         self.spec = BlockSpec(block_spec)
         if not isinstance(max_pending_writes, int) or max_pending_writes < 1:
             raise ValueError(f"max_pending_writes must be an int >= 1, got {max_pending_writes!r}")
@@ -57,6 +61,10 @@ class DiskKVStore:
         if not info.exists():
             info.write_text(fmt.namespace_text(key_fields, self.spec) + "\n")
         self.fsync = bool(fsync)
+        self.read_threads = min(4, os.cpu_count() or 1) if read_threads is None else read_threads
+        if not isinstance(self.read_threads, int) or isinstance(self.read_threads, bool) or self.read_threads < 1:
+            raise ValueError(f"read_threads must be an int >= 1, got {read_threads!r}")
+        self._reader_pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockKey, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._bytes = 0
@@ -145,6 +153,10 @@ class DiskKVStore:
             self._closed = True
         self._queue.put(None)  # after every queued write (the queue is FIFO)
         self._thread.join()
+        with self._lock:
+            readers, self._reader_pool = self._reader_pool, None
+        if readers is not None:
+            readers.shutdown(wait=True)
 
     def __enter__(self) -> DiskKVStore:
         return self
@@ -209,8 +221,42 @@ class DiskKVStore:
     def get(self, key) -> dict[str, np.ndarray] | None:
         """The block's arrays (read-only) or None: not stored, or its file was corrupt (then
         deleted and counted). A hit becomes most recently used (its file's mtime too)."""
-        key = check_key(key)
         t0 = time.perf_counter()
+        arrays = self._read(check_key(key))
+        with self._lock:
+            self._counts["read_seconds"] += time.perf_counter() - t0
+        return arrays
+
+    def read_run(self, keys: Sequence) -> list[dict[str, np.ndarray]]:
+        """The leading keys' blocks, up to the first that is not stored or fails to read: the
+        files of the keys the index holds are read and verified on `read_threads` threads at
+        once (file reads and the checksum release the GIL), then cut at the first miss.
+        read_seconds counts this call's wall time once."""
+        keys = [check_key(k) for k in keys]
+        t0 = time.perf_counter()
+        with self._lock:
+            run = next((i for i, k in enumerate(keys) if k not in self._index and k not in self._pending), len(keys))
+        keys = keys[:run]
+        readers = self._readers() if self.read_threads > 1 and len(keys) >= 2 * _READ_CHUNK else None
+        if readers is None:
+            blocks = [self._read(k) for k in keys]
+        else:  # a contiguous share of the run per thread: few hand-offs (each costs ~a block's read)
+            n = min(self.read_threads, len(keys) // _READ_CHUNK)
+            shares = [keys[len(keys) * i // n:len(keys) * (i + 1) // n] for i in range(n)]
+            blocks = [b for share in readers.map(lambda ks: [self._read(k) for k in ks], shares) for b in share]
+        with self._lock:
+            self._counts["read_seconds"] += time.perf_counter() - t0
+        end = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+        return blocks[:end]
+
+    def _readers(self) -> ThreadPoolExecutor | None:
+        """The reader threads (made at the first parallel read); None once closed."""
+        with self._lock:
+            if self._reader_pool is None and not self._closed:
+                self._reader_pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kv-disk-reader")
+            return self._reader_pool
+
+    def _read(self, key: BlockKey) -> dict[str, np.ndarray] | None:
         with self._lock:
             payload = self._pending.get(key)
             if payload is not None:
@@ -240,7 +286,6 @@ class DiskKVStore:
                 self._counts["hits"] += 1
                 self._counts["blocks_read"] += 1
                 self._counts["bytes_read"] += len(data)
-            self._counts["read_seconds"] += time.perf_counter() - t0
         if arrays is None:
             log.warning("kv disk store: corrupt block file %s removed", path)
             return None

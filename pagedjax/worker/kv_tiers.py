@@ -18,9 +18,10 @@ the host holds every head.
 
 The disk tier (`kv_offload_dir`, a DiskKVStore): `writes` (device block, key) are full blocks
 computed by steps already dispatched; they join the step's gather and, at the next dispatch,
-go to the store's writer thread (atomic files written in the background). A disk hit is read
-and verified on the engine thread while the scheduler matches (`fetch`: a corrupt file is a
-miss, never a wrong load) and staged in memory until its load. `close` (LLM.close, the server's
+go to the store's writer thread (atomic files written in the background). Disk hits are read
+and verified while the scheduler matches, a run of a prompt's blocks at once on the store's
+reader threads (`fetch`: a corrupt file is a miss, never a wrong load), and staged in memory
+until their load. `close` (LLM.close, the server's
 shutdown) writes the blocks completed since the last step and waits for the writer.
 """
 from __future__ import annotations
@@ -151,18 +152,16 @@ class KVTierCopier:
         """Whether the host tier holds this key (a hit becomes most recently used there)."""
         return self.host.touch(key)
 
-    def fetch(self, key: bytes) -> bool:
-        """Whether the disk tier has this key: its file is read and verified now and staged
-        for a load (a corrupt or missing file: False, the block is recomputed)."""
-        if key in self._staged:
-            return True
-        if self.disk is None:  # dropped (new weights)
-            return False
-        arrays = self.disk.get(key)
-        if arrays is None:
-            return False
-        self._staged[key] = arrays
-        return True
+    def fetch(self, keys: list[bytes]) -> int:
+        """How many of the leading keys the disk tier has: their files are read and verified
+        now (on the store's reader threads at once) and staged for a load; a missing or
+        corrupt file ends the run (its block and the rest are recomputed)."""
+        staged = next((i for i, key in enumerate(keys) if key not in self._staged), len(keys))
+        if staged == len(keys) or self.disk is None:  # self.disk None: dropped (new weights)
+            return staged
+        blocks = self.disk.read_run(keys[staged:])
+        self._staged.update(zip(keys[staged:], blocks))
+        return staged + len(blocks)
 
     def policy(self, pool, prefix=None) -> KVOffloadPolicy:
         """The scheduler's policy over `pool` (a BlockPool) and `prefix` (its PrefixCache: the

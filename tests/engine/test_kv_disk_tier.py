@@ -71,9 +71,10 @@ def test_close_waits_for_every_write(setup):
     assert len({f.parent for f in files}) == 1 and (files[0].parent / "namespace.json").is_file()
 
 
-@pytest.mark.parametrize("async_", [False, True])
-def test_restart_reads_the_blocks_back(setup, async_):
+@pytest.mark.parametrize("async_,disk_run", [(False, 64), (True, 3)])
+def test_restart_reads_the_blocks_back(setup, async_, disk_run, monkeypatch):
     path, base, folder, _, _ = setup
+    monkeypatch.setattr("pagedjax.core.kv_offload.DISK_RUN", disk_run)  # 3: each doc's 8 blocks in runs of 3, 3, 2
     engine = _engine(path, kv_offload_dir=str(folder), async_scheduling=async_)
     assert _run(engine, _prompts()) == base  # greedy, token for token
     s = engine.stats()

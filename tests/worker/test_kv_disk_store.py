@@ -68,6 +68,36 @@ def test_put_many_get_many_and_int_keys(tmp_path):
     assert_block_equal(got, {n: batch[n][[1, 0]] for n in spec})
 
 
+
+@pytest.mark.parametrize("read_threads", [1, 3])
+def test_read_run_stops_at_the_first_missing_or_corrupt_block(tmp_path, read_threads):
+    spec = block_spec("bf16")
+    rng = np.random.default_rng(5)
+    blocks = [random_block(spec, rng) for _ in range(10)]  # 10: two threads' shares of a run
+    store = DiskKVStore(tmp_path, 2 * MB, FIELDS, spec, read_threads=read_threads)
+    for i, b in enumerate(blocks):
+        store.put(key(i), b)
+    store.flush()
+    got = store.read_run([key(i) for i in range(10)])
+    assert len(got) == 10
+    for g, b in zip(got, blocks):
+        assert_block_equal(g, b)
+    assert len(store.read_run([key(0), key(1), key(42), key(3)])) == 2  # key 42 was never stored
+    assert store.read_run([key(42), key(0)]) == [] and store.read_run([]) == []
+    path = store.path / (key(2).hex() + ".kvb")
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0xFF  # a flipped payload byte: the run ends before it, the file is removed
+    path.write_bytes(bytes(data))
+    got = store.read_run([key(i) for i in range(10)])
+    assert len(got) == 2 and not path.exists() and store.stats()["disk_kv_corrupt"] == 1
+    assert store.stats()["disk_kv_read_seconds"] > 0
+    assert (store._reader_pool is not None) == (read_threads > 1)
+    store.close()  # reads still work, on the calling thread
+    assert len(store.read_run([key(i) for i in range(10)])) == 2 and store._reader_pool is None
+    with pytest.raises(ValueError, match="read_threads"):
+        DiskKVStore(tmp_path, MB, FIELDS, spec, read_threads=0)
+
+
 def test_lru_eviction_order_and_bound(tmp_path):
     spec = block_spec("f32")
     rng = np.random.default_rng(2)
