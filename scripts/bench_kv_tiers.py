@@ -145,7 +145,7 @@ def main() -> None:
           f"restarted on the disk tier {np.percentile(restart['restarted']['ttft'], 50) * 1e3:.0f}ms "
           f"({np.percentile(restart['restarted']['ttft'], 50) / np.percentile(restart['warm']['ttft'], 50):.2f}x warm; "
           f"disk hit {restart['restarted']['disk_hit']} tokens read in {restart['restarted']['read_s'] * 1e3:.0f}ms "
-          f"on the engine thread, recomputed {restart['restarted']['recomputed']}); "
+          f"while the engine waited, recomputed {restart['restarted']['recomputed']}); "
           f"outputs equal to the first run's: {restart['restarted']['outputs'] == restart['warm']['outputs']}")
 
 

@@ -1,7 +1,8 @@
 """The host-memory KV tier: device blocks kept in preallocated numpy storage, LRU by block key.
 
 Storage is one numpy array [num_blocks, *shape] per array of the block spec (`kv_block_spec`),
-allocated once (np.empty: the OS commits pages as they are first written). A map from block
+allocated once (np.empty: the OS commits pages as they are first written; `prefault=True`
+populates them in the background instead, see host_memory.py). A map from block
 key (the block pool's chained prefix key) to a slot keeps least recently used order; `put`
 evicts from its cold end. A pinned block (a preempted request's swapped-out blocks, or blocks
 being loaded back) is never evicted until unpinned. The worker moves blocks device <-> host in one batched transfer per
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pagedjax.worker import host_memory
 from pagedjax.worker.kv_block_spec import BlockKey, BlockSpec, SpecInput, check_key
 
 GIB = 1 << 30
@@ -24,7 +26,8 @@ GIB = 1 << 30
 class HostKVPool:
     """LRU pool of `capacity_bytes // spec.block_bytes` blocks (at most `max_blocks` if given)."""
 
-    def __init__(self, block_spec: SpecInput | BlockSpec, capacity_bytes: int, max_blocks: int | None = None):
+    def __init__(self, block_spec: SpecInput | BlockSpec, capacity_bytes: int, max_blocks: int | None = None,
+                 prefault: bool = False):
         self.spec = BlockSpec(block_spec)
         if not isinstance(capacity_bytes, (int, np.integer)) or isinstance(capacity_bytes, bool):
             raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
@@ -36,6 +39,7 @@ class HostKVPool:
                              f"one block takes {self.spec.block_bytes} bytes ({self.spec})")
         self.num_blocks = num_blocks
         self.storage = {name: np.empty((num_blocks, *shape), dtype) for name, shape, dtype in self.spec.fields}
+        self.prefault_thread = host_memory.prefault(list(self.storage.values())) if prefault else None
         self._slot_of: OrderedDict[BlockKey, int] = OrderedDict()  # evictable: key -> slot, least recently used first
         self._pinned: dict[BlockKey, int] = {}  # key -> slot, never evicted
         self._free_slots = list(range(num_blocks - 1, -1, -1))  # pop() hands out slot 0 first
@@ -48,11 +52,11 @@ class HostKVPool:
         self.bytes_out = 0
 
     @classmethod
-    def from_gb(cls, block_spec: SpecInput | BlockSpec, kv_offload_gb: float) -> HostKVPool:
+    def from_gb(cls, block_spec: SpecInput | BlockSpec, kv_offload_gb: float, prefault: bool = False) -> HostKVPool:
         """A pool of `kv_offload_gb` GiB (the engine option's unit, as kv_cache_memory_gb)."""
         if not isinstance(kv_offload_gb, (int, float)) or isinstance(kv_offload_gb, bool) or not kv_offload_gb > 0:
             raise ValueError(f"kv_offload_gb must be a number > 0, got {kv_offload_gb!r}")
-        return cls(block_spec, int(kv_offload_gb * GIB))
+        return cls(block_spec, int(kv_offload_gb * GIB), prefault=prefault)
 
     # -- queries ----------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -121,7 +121,7 @@ class KVTierCopier:
         spec = block_spec(kv, num_layers)
         self.block_bytes = BlockSpec(spec).block_bytes
         self._fields = spec  # name -> (shape, dtype) of one block
-        self.host = HostKVPool.from_gb(spec, kv_offload_gb) if kv_offload_gb is not None else None
+        self.host = HostKVPool.from_gb(spec, kv_offload_gb, prefault=True) if kv_offload_gb is not None else None
         self.disk = None
         if disk is not None:
             folder, disk_gb, key_fields = disk
