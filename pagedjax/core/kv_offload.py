@@ -73,9 +73,11 @@ class KVOffloadPolicy:
         self.num_swap_fallbacks = 0  # preemptions recomputed: the host had no room
 
     def match(self, req: Request, num_hits: int, next_key: bytes) -> list[bytes]:
-        """Keys of req's full blocks after its `num_hits` device hits that the host tier
-        holds, in order, stopping at the first miss; next_key: block num_hits's key (the
-        device match's). The request's last token is never among them (it is computed)."""
+        """Keys of req's full blocks after its `num_hits` device hits that the host or disk
+        tier holds, in order, stopping at the first block neither has; next_key: block
+        num_hits's key (the device match's). The request's last token is never among them
+        (it is computed). At a host miss the disk is asked for a run of up to DISK_RUN keys
+        at once (read together; a block both tiers hold inside a run comes from disk)."""
         bs, ids = self.block_size, req.all_token_ids
         limit = min(req.num_tokens - 1, req.num_cacheable_tokens) // bs
 
@@ -84,12 +86,13 @@ class KVOffloadPolicy:
                 block_key(req, i, prev, tuple(ids[i * bs:(i + 1) * bs]))
 
         keys: list[bytes] = []
-        i, key = num_hits, next_key
+        i, key, ask_disk = num_hits, next_key, self.on_disk is not None
         while i < limit:
             if self.in_host is not None and self.in_host(key):
                 keys.append(key)
                 i += 1
-            elif self.on_disk is None:
+                ask_disk = self.on_disk is not None
+            elif not ask_disk:  # neither tier has it
                 break
             else:  # up to DISK_RUN blocks from here read from disk together
                 run = [key]
@@ -98,9 +101,12 @@ class KVOffloadPolicy:
                 found = self.on_disk(run)
                 keys += run[:found]
                 self._from_disk.update(run[:found])
-                if found < len(run):
-                    break
                 i += found
+                if found < len(run):  # the disk lacks run[found]: the host may still have it
+                    if found == 0:
+                        break
+                    key, ask_disk = run[found], False
+                    continue
             if i < limit:
                 key = key_at(i, keys[-1])
         return keys

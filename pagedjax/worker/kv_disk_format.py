@@ -107,7 +107,7 @@ def unpack_payload(spec: BlockSpec, buf, offset: int = 0) -> dict[str, np.ndarra
 
 
 def encode_parts(key: BlockKey, spec: BlockSpec, payload: np.ndarray) -> list:
-    """The file's bytes as parts to write in order (prefix + header, payload, digest)."""
+    """The file's bytes as parts to write in order (prefix + header, payload, checksum)."""
     header = json.dumps({"key": file_stem(key), "arrays": spec.describe(), "payload_bytes": int(payload.nbytes)},
                         separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header

@@ -229,13 +229,14 @@ class DiskKVStore:
 
     def read_run(self, keys: Sequence) -> list[dict[str, np.ndarray]]:
         """The leading keys' blocks, up to the first that is not stored or fails to read: the
-        files of the keys the index holds are read and verified on `read_threads` threads at
-        once (file reads and the checksum release the GIL), then cut at the first miss.
-        read_seconds counts this call's wall time once."""
+        leading keys stored (on disk or queued) are read and verified on `read_threads`
+        threads at once (file reads and the checksum release the GIL), then cut at the first
+        failure. read_seconds counts this call's wall time once."""
         keys = [check_key(k) for k in keys]
         t0 = time.perf_counter()
         with self._lock:
             run = next((i for i, k in enumerate(keys) if k not in self._index and k not in self._pending), len(keys))
+            self._counts["misses"] += run < len(keys)
         keys = keys[:run]
         readers = self._readers() if self.read_threads > 1 and len(keys) >= 2 * _READ_CHUNK else None
         if readers is None:
@@ -243,7 +244,10 @@ class DiskKVStore:
         else:  # a contiguous share of the run per thread: few hand-offs (each costs ~a block's read)
             n = min(self.read_threads, len(keys) // _READ_CHUNK)
             shares = [keys[len(keys) * i // n:len(keys) * (i + 1) // n] for i in range(n)]
-            blocks = [b for share in readers.map(lambda ks: [self._read(k) for k in ks], shares) for b in share]
+            try:
+                blocks = [b for share in readers.map(lambda ks: [self._read(k) for k in ks], shares) for b in share]
+            except RuntimeError:  # closed by another thread meanwhile: read here
+                blocks = [self._read(k) for k in keys]
         with self._lock:
             self._counts["read_seconds"] += time.perf_counter() - t0
         end = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
@@ -270,10 +274,12 @@ class DiskKVStore:
         try:
             with open(path, "rb") as f:
                 data = f.read()
-        except FileNotFoundError:  # evicted meanwhile, or deleted by hand
+        except OSError as e:  # evicted meanwhile, deleted by hand, unreadable: a miss
             with self._lock:
                 self._drop_locked(key)
                 self._counts["misses"] += 1
+            if not isinstance(e, FileNotFoundError):
+                log.warning("kv disk store: cannot read %s: %s", path, e)
             return None
         arrays = fmt.decode(key, self.spec, data)
         with self._lock:

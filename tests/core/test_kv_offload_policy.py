@@ -93,6 +93,45 @@ def test_host_match_stops_at_the_first_miss_and_before_the_last_token():
     assert s.offload.match(r, 1, keys[1]) == keys[1:3]
 
 
+
+class FakeDisk:
+    """The copier's disk side: on_disk(keys) -> how many leading keys it holds; records each run asked."""
+
+    def __init__(self, keys=()):
+        self.keys, self.runs = set(keys), []
+
+    def __call__(self, run: list[bytes]) -> int:
+        self.runs.append(list(run))
+        return next((i for i, k in enumerate(run) if k not in self.keys), len(run))
+
+
+def test_disk_runs_cross_host_hits_and_stop_where_neither_tier_has_a_block(monkeypatch):
+    monkeypatch.setattr("pagedjax.core.kv_offload.DISK_RUN", 4)
+    from pagedjax.core.sched.prefix_cache import block_key
+
+    s = Scheduler(BlockPool(16, BS), Buckets(4, 64), 64)
+    host, disk = FakeHost(), FakeDisk()
+    s.offload = KVOffloadPolicy(s.pool, host, s.prefix, disk)
+    r = req("r", list(range(50, 95)))  # 45 tokens: 11 full blocks before the last token's
+    keys, parent = [], None
+    for i in range(11):
+        parent = block_key(r, i, parent, tuple(r.all_token_ids[i * BS:(i + 1) * BS]))
+        keys.append(parent)
+
+    def match(host_keys, disk_keys, num_hits=0):
+        host.keys, disk.keys, disk.runs = set(host_keys), set(disk_keys), []
+        return s.offload.match(r, num_hits, keys[num_hits])
+
+    assert match([], keys) == keys and disk.runs == [keys[0:4], keys[4:8], keys[8:11]]  # the last run ends at the limit
+    # block 1 only on the host: the run stops there, the host serves it, the disk goes on after
+    assert match([keys[1]], keys[:1] + keys[2:]) == keys
+    assert disk.runs == [keys[0:4], keys[2:6], keys[6:10], keys[10:11]]
+    assert match([], keys[:2]) == keys[:2] and disk.runs == [keys[0:4]]  # block 2 in neither tier
+    assert match([keys[0]], keys[1:3]) == keys[:3] and disk.runs == [keys[1:5]]
+    assert match([], []) == [] and disk.runs == [keys[0:4]]
+    assert match(keys, [], num_hits=3) == keys[3:] and disk.runs == []  # every block on the host
+    assert s.offload._from_disk >= set(keys[:3])
+
 def test_saves_skip_keys_the_host_holds():
     s, host = make(num_blocks=8)
     drain(s, host, req("a", list(range(100, 124)) + [1]))

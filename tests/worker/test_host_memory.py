@@ -20,15 +20,21 @@ def _rss_bytes() -> int:
 def test_prefault_commits_the_pages_and_keeps_what_was_written(monkeypatch):
     monkeypatch.setattr(host_memory, "CHUNK_BYTES", 4 * MIB)  # several chunks per array
     a, b = np.empty(24 * MIB, np.uint8), np.empty((6 * MIB,), np.float32)
-    a[:4096] = 7  # written before: kept
+    a[MIB:2 * MIB] = 7  # written before (whole pages inside the populated span): kept
     before = _rss_bytes()
     thread = host_memory.prefault([a, b])
-    a[-4096:] = 9  # written meanwhile: kept (populating never changes contents)
+    a[-2 * MIB:-MIB] = 9  # written meanwhile: kept (populating never changes contents)
     thread.join(60)
     assert not thread.is_alive()
-    assert (a[:4096] == 7).all() and (a[-4096:] == 9).all()
+    assert (a[MIB:2 * MIB] == 7).all() and (a[-2 * MIB:-MIB] == 9).all()
     # the pages are resident now (where the kernel has MADV_POPULATE_WRITE, 5.14+)
     assert _rss_bytes() - before > 40 * MIB or not _kernel_at_least(5, 14)
+
+
+def test_prefault_skips_a_pool_larger_than_the_memory_available(monkeypatch, caplog):
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 8 * MIB)
+    assert host_memory.prefault([np.empty(16 * MIB, np.uint8)]) is None
+    assert "not committed ahead" in caplog.text
 
 
 def _kernel_at_least(major: int, minor: int) -> bool:
