@@ -301,23 +301,6 @@ class DiskKVStore:
             pass  # evicted meanwhile: the order is only a hint
         return arrays
 
-    def get_many(self, keys: Sequence) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(found [n] bool, arrays stacked [num_found, ...] of the found keys in key order)."""
-        found = np.zeros(len(keys), bool)
-        blocks = []
-        for i, key in enumerate(keys):
-            arrays = self.get(key)
-            if arrays is not None:
-                found[i] = True
-                blocks.append(arrays)
-        stacked = {}
-        for name, shape, dtype in self.spec.fields:
-            out = np.empty((len(blocks), *shape), dtype)
-            for j, arrays in enumerate(blocks):
-                out[j] = arrays[name]
-            stacked[name] = out
-        return found, stacked
-
     def _drop_locked(self, key: BlockKey) -> None:
         size = self._index.pop(key, None)
         if size is not None:
